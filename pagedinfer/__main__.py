@@ -1,0 +1,3 @@
+from pagedinfer.entrypoints.cli import main
+
+raise SystemExit(main())

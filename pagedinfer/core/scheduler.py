@@ -1,0 +1,327 @@
+"""Continuous-batching scheduler over a per-step token budget (vLLM V1's algorithm).
+
+There are no prefill or decode phases: every request has `num_computed_tokens` and
+`num_tokens_with_spec`, and each step hands out tokens so the former catches up with the
+latter. A prompt chunk, a decode and (later) speculative tokens are the same case.
+
+`schedule()`:
+1. RUNNING requests first, in order, while the token budget lasts. When the KV pool has no
+   room, preempt (recompute) the newest running request (FCFS) or the worst-priority one,
+   until the current request fits or is itself the victim.
+2. WAITING requests (FCFS or by priority), only if nothing was preempted in this step,
+   while budget and `max_num_seqs` allow. No preemption on behalf of waiting requests.
+3. `num_computed_tokens` is advanced optimistically at schedule time, so a chunked prefill
+   continues next step without waiting for this step's output.
+
+`update_from_output()` appends the sampled tokens, applies token-level stop conditions
+(EOS, stop token ids, max_tokens, max_model_len; stop *strings* are the front end's job),
+frees finished requests and returns `EngineCoreOutputs`.
+
+Called by `engine.core.EngineCore`; pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedinfer.config import CacheConfig, SchedulerConfig
+from pagedinfer.core.block_pool import KVCacheBlock
+from pagedinfer.core.kv_cache_manager import KVCacheManager
+from pagedinfer.core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    LogprobsLists,
+    SchedulerStats,
+)
+from pagedinfer.core.request import Request, RequestStatus
+from pagedinfer.core.request_queue import create_request_queue
+from pagedinfer.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+__all__ = ["Scheduler", "check_stop"]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_kv_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=max_model_len,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Requests finished since the last schedule(); sent to workers so they drop state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ requests in/out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step loop (aborts): blocks are freed at once."""
+        assert RequestStatus.is_finished(status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_scheduled_tokens
+        threshold = self.config.long_prefill_token_threshold
+        num_scheduled_tokens: dict[str, int] = {}
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(
+                num_new_tokens,
+                token_budget,
+                self.max_model_len - 1 - request.num_computed_tokens,
+            )
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim.request_id in num_scheduled_tokens:
+                    # Already scheduled in this step: give its budget back.
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    new_blocks_of.pop(victim.request_id, None)
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                # The request preempted itself: nothing else can run either.
+                break
+
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_blocks_of[request.request_id] = new_blocks
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, only if this step preempted nothing.
+        if not preempted:
+            while (
+                len(self.waiting) > 0
+                and token_budget > 0
+                and len(self.running) < self.max_num_running_reqs
+            ):
+                request = self.waiting.peek()
+                computed_blocks: list[KVCacheBlock] = []
+                num_computed = request.num_computed_tokens
+                if num_computed == 0:
+                    computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
+                        request
+                    )
+                num_new_tokens = request.num_tokens - num_computed
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_computed - request.num_computed_tokens,
+                    new_computed_blocks=computed_blocks,
+                )
+                if new_blocks is None:
+                    break
+                self.waiting.pop()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        total = sum(num_scheduled_tokens.values())
+        assert total <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+
+        # Batch order: running requests (in running order), then new ones.
+        ordered = {r.request_id: num_scheduled_tokens[r.request_id] for r in scheduled_running}
+        for r in scheduled_new:
+            ordered[r.request_id] = num_scheduled_tokens[r.request_id]
+
+        cached = CachedRequestData()
+        for r in scheduled_running:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks_of[r.request_id]])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+        new_reqs = [
+            NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id))
+            for r in scheduled_new
+        ]
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=ordered,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        # A new set, not .clear(): the output keeps a reference to the old one.
+        self.finished_req_ids = set()
+        for req_id, n in ordered.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(request)
+
+    # ---------------------------------------------------------------------- outputs
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        logprobs = runner_output.logprobs
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            req_index = runner_output.req_id_to_index[req_id]
+            generated = runner_output.sampled_token_ids[req_index]
+            new_token_ids: list[int] = []
+            for token_id in generated:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if check_stop(request, self.max_model_len):
+                    break
+            prompt_logprobs = runner_output.prompt_logprobs_dict.get(req_id)
+            if not new_token_ids and prompt_logprobs is None and not request.is_finished():
+                continue
+            new_logprobs = None
+            if logprobs is not None and new_token_ids:
+                new_logprobs = LogprobsLists(
+                    logprob_token_ids=[logprobs.logprob_token_ids[req_index]],
+                    logprobs=[logprobs.logprobs[req_index]],
+                    sampled_token_ranks=[logprobs.sampled_token_ranks[req_index]],
+                )
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished():
+                stopped.append(request)
+
+        if stopped:
+            stopped_ids = {r.request_id for r in stopped}
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            for request in stopped:
+                self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions_total,
+        )
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Apply token-level stop conditions after one appended token; sets the status."""
+    params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return False
+    last = request.output_token_ids[-1]
+    if not params.ignore_eos and last == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if params.stop_token_ids and last in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False

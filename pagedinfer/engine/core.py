@@ -1,0 +1,107 @@
+"""The engine core: scheduler + executor, advanced one step at a time.
+
+`EngineCore.step()` is the heartbeat (vLLM's design):
+    schedule -> execute_model -> (grammar bitmask) -> sample_tokens -> update_from_output.
+It is driven in-process by `LLMEngine` today; a busy-looping process subclass can drive
+the same object later without changing it.
+
+Startup: load the model on the executor, derive `max_model_len` and the number of KV blocks,
+check that one full-length request fits in the cache, allocate the cache, build the
+scheduler. The derived values are kept here (never written back into the frozen config).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pagedinfer.config import EngineConfig
+from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedinfer.core.request import Request, RequestStatus
+from pagedinfer.core.scheduler import Scheduler
+from pagedinfer.executor.base import Executor, ModelInfo
+
+logger = logging.getLogger("pagedinfer")
+
+__all__ = ["EngineCore"]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor]) -> None:
+        self.config = config
+        self.executor = executor_class(config)
+        info = self.executor.load_model()
+        self.model_info = info
+        self.max_model_len = self._resolve_max_model_len(info)
+        block_size = config.cache_config.block_size
+        self.executor.initialize_cache(info.num_kv_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            num_kv_blocks=info.num_kv_blocks,
+            max_model_len=self.max_model_len,
+        )
+        capacity_tokens = info.num_kv_blocks * block_size
+        logger.info(
+            "Model %s loaded in %.2f s (dtype %s, max_model_len %d).",
+            config.model_config.model or "SmolLM2-135M-Instruct (default GGUF)",
+            info.load_time_s,
+            info.dtype,
+            self.max_model_len,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens); maximum concurrency for "
+            "%d-token requests: %.2fx.",
+            info.num_kv_blocks,
+            block_size,
+            info.num_kv_blocks * info.kv_bytes_per_block / 2**20,
+            capacity_tokens,
+            self.max_model_len,
+            capacity_tokens / self.max_model_len,
+        )
+
+    def _resolve_max_model_len(self, info: ModelInfo) -> int:
+        capacity = info.num_kv_blocks * self.config.cache_config.block_size
+        requested = self.config.model_config.max_model_len
+        if requested is not None:
+            if requested > info.max_position_embeddings:
+                raise ValueError(
+                    f"max_model_len {requested} exceeds the model's context length "
+                    f"{info.max_position_embeddings}."
+                )
+            if requested > capacity:
+                raise ValueError(
+                    f"The KV cache holds {capacity} tokens, fewer than max_model_len "
+                    f"{requested}: raise kv_cache_memory_bytes or lower max_model_len."
+                )
+            return requested
+        if capacity < info.max_position_embeddings:
+            logger.warning(
+                "KV cache (%d tokens) is smaller than the model context (%d): "
+                "max_model_len capped to %d.",
+                capacity,
+                info.max_position_embeddings,
+                capacity,
+            )
+        return min(info.max_position_embeddings, capacity)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        if runner_output is None:
+            # Structured outputs will compute the grammar bitmask here, while a device runs.
+            runner_output = self.executor.sample_tokens(None)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

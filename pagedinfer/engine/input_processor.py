@@ -1,0 +1,107 @@
+"""Turn a user prompt + SamplingParams into a validated `EngineCoreRequest`.
+
+All per-request validation that needs the model (vocabulary, context length) happens here,
+in the caller's thread, so a bad request raises `ValueError` before it reaches the engine
+and no other request is affected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from pagedinfer.core.messages import EngineCoreRequest
+from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.tokenizer import Tokenizer
+
+__all__ = ["InputProcessor", "PromptType"]
+
+# A text prompt, a list of token ids, or a dict with "prompt" or "prompt_token_ids"
+# (plus optional "cache_salt"), as vLLM accepts.
+PromptType = Union[str, list[int], dict[str, Any]]
+
+MAX_LOGPROBS = 20
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the engine request and the prompt text (None for token-id prompts)."""
+        text, token_ids, cache_salt = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        params = params.clone()
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(token_ids)
+        if self.eos_token_id is not None:
+            # Masked until min_tokens is reached, even with ignore_eos (as vLLM does).
+            params.update_from_eos((self.eos_token_id,))
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        return request, text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        cache_salt = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), cache_salt
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt), cache_salt
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt), cache_salt
+        raise ValueError(
+            f"Unsupported prompt type {type(prompt).__name__}: pass a string, a list of token "
+            "ids, or a dict with 'prompt' or 'prompt_token_ids'."
+        )
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty: at least one token is needed.")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"Token id {bad[0]} in the prompt is out of vocabulary (size {self.vocab_size})."
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt (length {len(token_ids)}) is longer than the maximum model length "
+                f"of {self.max_model_len} minus one token to generate."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"Requested {name}={k}, more than max_logprobs={MAX_LOGPROBS}.")
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("stop_token_ids", params.stop_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} contains token id {bad[0]}, outside the vocabulary "
+                    f"(size {self.vocab_size})."
+                )

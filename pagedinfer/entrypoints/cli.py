@@ -1,0 +1,199 @@
+"""The `pagedinfer` command line: `generate` (one-shot) and `chat` (interactive, streaming).
+
+Engine flags are generated from the config dataclasses: every field of `ModelConfig`,
+`CacheConfig` and `SchedulerConfig` becomes `--field-name`, with its docstring as help, so
+the CLI, the `LLM(...)` keyword options and the docs never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+from typing import Any
+
+from pagedinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["main", "build_parser"]
+
+_ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    for cls in _ENGINE_SECTIONS:
+        hints = typing.get_type_hints(cls)
+        fields = cls.__pydantic_fields__  # type: ignore[attr-defined]
+        for f in dataclasses.fields(cls):
+            if f.name == "model":
+                continue  # positional argument
+            flag = "--" + f.name.replace("_", "-")
+            help_text = (fields[f.name].description or "").replace("%", "%%")
+            default = fields[f.name].get_default(call_default_factory=True)
+            hint = hints[f.name]
+            args = typing.get_args(hint)
+            if hint is bool:
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                )
+            elif typing.get_origin(hint) is typing.Literal:
+                group.add_argument(flag, choices=list(args), default=default, help=help_text)
+            else:
+                base = next((a for a in args if a is not type(None)), hint) if args else hint
+                group.add_argument(
+                    flag, type=base, default=default, help=f"{help_text} (default: {default})"
+                )
+
+
+def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": ns.model}
+    for cls in _ENGINE_SECTIONS:
+        for f in dataclasses.fields(cls):
+            if f.name != "model":
+                out[f.name] = getattr(ns, f.name)
+    return out
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling options")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, help="Tokens to generate.")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default).")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="Per-request sampling seed (same output whatever the batch).",
+    )
+    group.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
+
+
+def _sampling_params(ns: argparse.Namespace, **extra: Any) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        **extra,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedinfer", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="Generate completions for prompts and print them.")
+    gen.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="GGUF file or HF directory (default: SmolLM2-135M-Instruct).",
+    )
+    gen.add_argument("--prompt", action="append", default=None, help="Prompt text (repeatable).")
+    gen.add_argument("--prompts-file", default=None, help="A file with one prompt per line.")
+    gen.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Wrap each prompt as a user message in the model's chat template.",
+    )
+    _add_sampling_args(gen, max_tokens=64)
+    _add_engine_args(gen)
+
+    chat = sub.add_parser("chat", help="Interactive chat; streams the reply token by token.")
+    chat.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="GGUF file or HF directory (default: SmolLM2-135M-Instruct).",
+    )
+    chat.add_argument("--system", default=None, help="System prompt.")
+    _add_sampling_args(chat, max_tokens=256)
+    _add_engine_args(chat)
+    return parser
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from pagedinfer.entrypoints.llm import LLM
+
+    prompts: list[str] = list(ns.prompt or [])
+    if ns.prompts_file:
+        with open(ns.prompts_file, encoding="utf-8") as f:
+            prompts.extend(line.rstrip("\n") for line in f if line.strip())
+    if not prompts:
+        prompts = ["Write a haiku about paged attention."]
+        ns.chat_template = True
+    llm = LLM(**_engine_kwargs(ns))
+    params = _sampling_params(ns)
+    if ns.chat_template:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        print(f"\n=== Prompt: {prompt!r}")
+        print(completion.text)
+        print(f"--- [{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+    stats = llm.get_stats()
+    print(
+        f"\nThroughput: {stats['generation_throughput']:.1f} output tok/s, "
+        f"{stats['prompt_throughput']:.1f} prompt tok/s"
+    )
+    return 0
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    from pagedinfer.entrypoints.llm import LLM
+
+    llm = LLM(**_engine_kwargs(ns))
+    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    messages: list[dict[str, str]] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print("Chat with the model; an empty line or Ctrl-D quits.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            user = input("\n> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        params = _sampling_params(ns, output_kind=RequestOutputKind.DELTA)
+        request_id = f"chat-{turn}"
+        turn += 1
+        engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+        reply: list[str] = []
+        start, num_tokens = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                delta = out.outputs[0].text
+                num_tokens += len(out.outputs[0].token_ids)
+                reply.append(delta)
+                print(delta, end="", flush=True)
+        elapsed = time.perf_counter() - start
+        print(f"\n[{num_tokens} tokens, {num_tokens / elapsed:.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.command == "generate":
+        return _cmd_generate(ns)
+    return _cmd_chat(ns)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

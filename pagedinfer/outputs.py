@@ -1,0 +1,61 @@
+"""User-facing results of `LLM.generate` / `LLM.chat` (vLLM-compatible shapes).
+
+Built by `engine.output_processor.OutputProcessor` from the engine core's token-level
+`EngineCoreOutput`s; nothing in here touches torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Logprob", "CompletionOutput", "RequestOutput", "SampleLogprobs", "PromptLogprobs"]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-probability of one token, its rank in the distribution (1 = most likely) and its
+    decoded text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing predicts the first token).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One output sequence of a request (a request has `n` of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    """"stop", "length", "abort" or "error"; None while running."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the sequence, or None (EOS or length)."""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything the engine has produced for one request so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache instead of being recomputed."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Timings: arrival_time, first_token_time, finished_time (monotonic seconds)."""

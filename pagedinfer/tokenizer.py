@@ -1,0 +1,349 @@
+"""Text <-> token ids, and chat templates, on top of the Rust `tokenizers` library.
+
+Role: one small `Tokenizer` that the engine's input processor (encode, chat template) and output
+processor (incremental detokenisation through `tokenizers.decoders.DecodeStream` on `.backend`)
+share. It is built either from a GGUF file's tokenizer metadata or from a Hugging Face
+directory's `tokenizer.json` + `tokenizer_config.json`.
+
+GGUF tokenizers (`tokenizer.ggml.model == "gpt2"`, byte-level BPE) are rebuilt to encode exactly
+as transformers' GGUF loader does:
+- vocabulary and merges straight from the file; a token written outside the GPT-2 byte alphabet
+  is re-spelled from its UTF-8 bytes;
+- pre-tokenizer: a `Split` on the regex named by `tokenizer.ggml.pre` when we know it
+  (llama3-style, qwen2), otherwise the GPT-2 regex built into `ByteLevel`. SmolLM's "smollm"
+  falls in the second group, like in transformers. llama.cpp additionally isolates every digit
+  for "smollm". The vocabulary has no multi-digit tokens, so the two agree except on whitespace
+  runs directly before a digit ("a   1"), where we follow transformers;
+- tokens typed CONTROL (3) become special added tokens: never split, dropped by
+  `skip_special_tokens`; USER_DEFINED (4) become plain added tokens;
+- BOS/EOS are added by a post-processor only when `tokenizer.ggml.add_{bos,eos}_token` say so
+  (SmolLM2: neither).
+
+Invariants: `decode(encode(s)) == s` for any text without special-token strings (byte-level BPE
+is lossless and we never clean up spaces); `vocab_size` counts added tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+if TYPE_CHECKING:
+    import jinja2
+
+    from pagedinfer.model.gguf import GGUFFile
+
+__all__ = ["Tokenizer"]
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer split regexes by `tokenizer.ggml.pre`. Names not listed use ByteLevel's own
+# GPT-2 regex, which is what transformers does for them (including "smollm").
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_REGEXES = {
+    "llama3": _LLAMA3_REGEX,
+    "llama-v3": _LLAMA3_REGEX,
+    "llama-bpe": _LLAMA3_REGEX,
+    "smaug-bpe": _LLAMA3_REGEX,
+    "qwen2": _QWEN2_REGEX,
+    "deepseek-r1-qwen": _QWEN2_REGEX,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by byte-level BPE vocabularies.
+
+    Printable Latin-1 bytes stand for themselves; the remaining 68 bytes (controls, space, ...)
+    are shifted to code points 256, 257, ... in byte order.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in mapping)
+    mapping.update({b: chr(256 + n) for n, b in enumerate(shifted)})
+    return mapping
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, an AddedToken dict, or None."""
+    if isinstance(token, dict):
+        return str(token.get("content"))
+    return None if token is None else str(token)
+
+
+class Tokenizer:
+    """Encode/decode text and render chat templates for one model.
+
+    Build with `from_gguf`, `from_hf_dir` or `from_model_path`; the constructor takes an already
+    configured `tokenizers.Tokenizer` (whose post-processor decides what `add_special_tokens`
+    adds) plus the special-token ids and chat template.
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
+        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        ids = (bos_token_id, eos_token_id, pad_token_id, unk_token_id)
+        self.all_special_ids: set[int] = special | {i for i in ids if i is not None}
+
+    # ---- constructors ------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, gguf: str | os.PathLike[str] | GGUFFile) -> Tokenizer:
+        """Rebuild the byte-level BPE tokenizer a GGUF file describes."""
+        from pagedinfer.model.gguf import GGUFFile
+
+        meta = (gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)).metadata
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        alphabet = _byte_alphabet()
+        allowed = set(alphabet.values())
+        spelled = [
+            tok if set(tok) <= allowed else "".join(alphabet[b] for b in tok.encode("utf-8"))
+            for tok in tokens
+        ]
+        vocab = {tok: i for i, tok in enumerate(spelled)}
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        regex = _PRE_TOKENIZER_REGEXES.get(meta.get("tokenizer.ggml.pre", ""))
+        if regex is not None:
+            split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
+            no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            backend.pre_tokenizer = pre_tokenizers.Sequence([split, no_regex])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+
+        # An added token spelled outside the byte alphabet is not matchable text of this
+        # vocabulary (for CONTROL, a converter mislabel), so it is left alone, as in transformers.
+        control = [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind_id in zip(tokens, token_types, strict=True)
+            if kind_id == _TOKEN_TYPE_CONTROL and set(tok) <= allowed
+        ]
+        backend.add_special_tokens(control)
+        user = [
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind_id in zip(tokens, token_types, strict=True)
+            if kind_id == _TOKEN_TYPE_USER_DEFINED and set(tok) <= allowed
+        ]
+        backend.add_tokens(user)
+
+        def token_id(name: str) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{name}")
+            return None if value is None else int(value)
+
+        bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        backend.post_processor = _post_processor(backend, bos, eos, add_bos, add_eos)
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=token_id("padding_token_id"),
+            unk_token_id=token_id("unknown_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=add_bos,
+            add_eos_token=add_eos,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
+        """Load `tokenizer.json` as is; special tokens and template from tokenizer_config.json."""
+        model_dir = os.fspath(model_dir)
+        backend = BackendTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        config_path = os.path.join(model_dir, "tokenizer_config.json")
+        config: dict[str, Any] = {}
+        if os.path.exists(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+
+        def token_id(name: str) -> int | None:
+            text = _token_text(config.get(name))
+            return None if text is None else backend.token_to_id(text)
+
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            pad_token_id=token_id("pad_token"),
+            unk_token_id=token_id("unk_token"),
+            chat_template=template,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            add_eos_token=bool(config.get("add_eos_token", False)),
+        )
+
+    @classmethod
+    def from_model_path(cls, path: str | os.PathLike[str] | None = None) -> Tokenizer:
+        """Tokenizer for a `.gguf` file, an HF directory, or (None) the default model."""
+        if path is None:
+            from pagedinfer.model.gguf import find_default_model
+
+            path = find_default_model()
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        if path.endswith(".gguf"):
+            return cls.from_gguf(path)
+        raise ValueError(f"{path!r} is neither a .gguf file nor a model directory")
+
+    # ---- encode / decode ---------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings in the text map to their ids."""
+        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Vocabulary strings (byte-level spelling, e.g. "Ġworld") of `ids`."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def token_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    # ---- chat templates ----------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's jinja chat template.
+
+        The prompt already carries every special token the template writes, so `tokenize=True`
+        encodes it without adding BOS/EOS again. Extra keyword arguments reach the template.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        text = _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.token_text(self.bos_token_id) or "",
+            eos_token=self.token_text(self.eos_token_id) or "",
+            **template_kwargs,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def save_hf(self, out_dir: str | os.PathLike[str]) -> None:
+        """Write tokenizer.json and tokenizer_config.json that transformers' AutoTokenizer and
+        `from_hf_dir` load back to the same encodings."""
+        out_dir = os.fspath(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        self.backend.save(os.path.join(out_dir, "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": self.add_eos_token,
+            "bos_token": self.token_text(self.bos_token_id),
+            "eos_token": self.token_text(self.eos_token_id),
+            "pad_token": self.token_text(self.pad_token_id),
+            "unk_token": self.token_text(self.unk_token_id),
+            "clean_up_tokenization_spaces": False,
+            "chat_template": self.chat_template,
+        }
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def _post_processor(
+    backend: BackendTokenizer, bos: int | None, eos: int | None, add_bos: bool, add_eos: bool
+) -> processors.PostProcessor | None:
+    """BOS/EOS around a single sequence (and each of a pair), only as the model asks."""
+    pieces: list[tuple[str, int]] = []
+    if add_bos and bos is not None:
+        pieces.append((backend.id_to_token(bos) or "", bos))
+    if add_eos and eos is not None:
+        pieces.append((backend.id_to_token(eos) or "", eos))
+    if not pieces:
+        return None
+    prefix = f"{pieces[0][0]} " if add_bos and bos is not None else ""
+    suffix = f" {pieces[-1][0]}" if add_eos and eos is not None else ""
+    return processors.TemplateProcessing(
+        single=f"{prefix}$A{suffix}",
+        pair=f"{prefix}$A{suffix} {prefix}$B:1{suffix}",
+        special_tokens=pieces,
+    )
+
+
+def _raise_exception(message: str) -> None:
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox, with the environment transformers templates expect
+    (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `tojson`, `strftime_now`)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

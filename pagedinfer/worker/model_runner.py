@@ -1,0 +1,327 @@
+"""Per-step input preparation, forward pass and sampling hand-off.
+
+The runner keeps one `CachedRequestState` per live request (its tokens, block table and
+generator), updated from each `SchedulerOutput`'s deltas. `execute_model` flattens the
+scheduled tokens of all requests into one batch, builds the attention metadata once, runs
+the model and computes logits only for rows that sample (the last token of each request
+whose scheduled chunk reaches the end of its known tokens). `sample_tokens` then samples,
+appends the new tokens to the states and returns a `ModelRunnerOutput`.
+
+The split into two calls mirrors vLLM: the engine core may compute a grammar bitmask
+between them (structured outputs plug in there).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedinfer.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    ForwardContext,
+    set_forward_context,
+)
+from pagedinfer.core.messages import LogprobsLists
+from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.model.llama import LlamaForCausalLM
+from pagedinfer.sample.metadata import LogprobsTensors, SamplingMetadata
+from pagedinfer.sample.sampler import Sampler, compute_prompt_logprobs
+from pagedinfer.sampling_params import SamplingParams, SamplingType
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelRunner", "CachedRequestState"]
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    # Prompt logprobs gathered chunk by chunk until the prompt is done.
+    prompt_logprobs: list[LogprobsTensors] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        if position < n:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - n]
+
+
+@dataclass
+class _StepState:
+    """What execute_model leaves for sample_tokens."""
+
+    req_ids: list[str]
+    sampling_req_ids: list[str]
+    logits: torch.Tensor | None  # [num_sampling_reqs, vocab_size]
+    prompt_logprobs: dict[str, LogprobsLists | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        vocab_size: int,
+        max_num_logprobs: int = 20,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_num_logprobs = max_num_logprobs
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self._step: _StepState | None = None
+
+    # ------------------------------------------------------------------ state updates
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.sampling_type == SamplingType.RANDOM_SEED:
+                assert params.seed is not None
+                generator = torch.Generator().manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            self._step = _StepState([], [], None, {})
+            return None
+
+        bs = self.block_size
+        req_ids = list(so.num_scheduled_tokens)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        computed: list[int] = []
+        logits_rows: list[int] = []
+        sampling_req_ids: list[str] = []
+        prompt_lp_reqs: list[tuple[str, int, int]] = []  # (req_id, first row, num rows)
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            for pos in range(start, end):
+                token_ids.append(state.token_id(pos))
+                slots.append(state.block_ids[pos // bs] * bs + pos % bs)
+            positions.extend(range(start, end))
+            num_prompt = len(state.prompt_token_ids)
+            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
+                # Rows predicting prompt tokens start+1 .. min(end, num_prompt - 1).
+                prompt_lp_reqs.append((req_id, qsl[-1], min(end, num_prompt - 1) - start))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            computed.append(start)
+            if end >= state.num_tokens:
+                logits_rows.append(qsl[-1] - 1)
+                sampling_req_ids.append(req_id)
+
+        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
+        block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int32)
+        for i, req_id in enumerate(req_ids):
+            ids = self.requests[req_id].block_ids
+            block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(req_ids))]
+        common = CommonAttentionMetadata(
+            num_reqs=len(req_ids),
+            num_actual_tokens=qsl[-1],
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            seq_lens_cpu=seq_lens,
+            num_computed_tokens_cpu=computed,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_table=block_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_size=bs,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64)  # [num_tokens]
+        pos_tensor = torch.tensor(positions, dtype=torch.int64)  # [num_tokens]
+        ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
+        with set_forward_context(ctx):
+            hidden = self.model(input_ids, pos_tensor)  # [num_tokens, hidden_size]
+
+        logits = None
+        if logits_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(logits_rows)])
+        prompt_logprobs = self._prompt_logprobs(hidden, input_ids, prompt_lp_reqs)
+        for req_id in req_ids:
+            self.requests[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
+        self._step = _StepState(req_ids, sampling_req_ids, logits, prompt_logprobs)
+        return None
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        reqs: list[tuple[str, int, int]],
+    ) -> dict[str, LogprobsLists | None]:
+        """Accumulate prompt logprobs per chunk; emit them once the prompt is complete."""
+        out: dict[str, LogprobsLists | None] = {}
+        for req_id, row, num_rows in reqs:
+            state = self.requests[req_id]
+            start = state.num_computed_tokens  # not yet advanced for this step
+            targets = torch.tensor(
+                state.prompt_token_ids[start + 1 : start + 1 + num_rows], dtype=torch.int64
+            )
+            num_lp = state.sampling_params.prompt_logprobs
+            assert num_lp is not None
+            if num_lp == -1:
+                num_lp = self.vocab_size
+            logits = self.model.compute_logits(hidden[row : row + num_rows])
+            state.prompt_logprobs.append(compute_prompt_logprobs(logits, targets, num_lp))
+            if start + num_rows >= len(state.prompt_token_ids) - 1:
+                parts = state.prompt_logprobs
+                ids, lps, ranks = [], [], []
+                for part in parts:
+                    a, b, c = part.tolists()
+                    ids.extend(a)
+                    lps.extend(b)
+                    ranks.extend(c)
+                out[req_id] = LogprobsLists(ids, lps, ranks)
+                state.prompt_logprobs = []
+        return out
+
+    # ------------------------------------------------------------------ sampling
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+        step = self._step
+        assert step is not None, "sample_tokens() without execute_model()"
+        self._step = None
+        req_id_to_index = {r: i for i, r in enumerate(step.req_ids)}
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs_lists = None
+        if step.logits is not None:
+            states = [self.requests[r] for r in step.sampling_req_ids]
+            metadata = self._sampling_metadata(states)
+            out = self.sampler(step.logits, metadata)
+            token_ids = out.sampled_token_ids.tolist()
+            for state, token_id in zip(states, token_ids):
+                state.output_token_ids.append(token_id)
+                sampled[req_id_to_index[state.req_id]] = [token_id]
+            if out.logprobs_tensors is not None:
+                logprobs_lists = self._scatter_logprobs(
+                    out.logprobs_tensors, step.sampling_req_ids, step.req_ids, req_id_to_index
+                )
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index=req_id_to_index,
+            sampled_token_ids=sampled,
+            logprobs=logprobs_lists,
+            prompt_logprobs_dict=step.prompt_logprobs,
+        )
+
+    @staticmethod
+    def _scatter_logprobs(
+        tensors: LogprobsTensors,
+        sampling_req_ids: list[str],
+        req_ids: list[str],
+        req_id_to_index: dict[str, int],
+    ) -> LogprobsLists:
+        ids, lps, ranks = tensors.tolists()
+        all_ids: list[list[int]] = [[] for _ in req_ids]
+        all_lps: list[list[float]] = [[] for _ in req_ids]
+        all_ranks = [0 for _ in req_ids]
+        for row, req_id in enumerate(sampling_req_ids):
+            i = req_id_to_index[req_id]
+            all_ids[i], all_lps[i], all_ranks[i] = ids[row], lps[row], ranks[row]
+        return LogprobsLists(all_ids, all_lps, all_ranks)
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.sampling_params for s in states]
+        temps = [p.temperature for p in params]
+        all_greedy = all(t < _GREEDY_EPS for t in temps)
+        all_random = all(t >= _GREEDY_EPS for t in temps)
+        top_ps = [p.top_p for p in params]
+        top_ks = [p.top_k for p in params]
+        min_ps = [p.min_p for p in params]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        max_num_logprobs = None
+        if wanted:
+            max_num_logprobs = max(self.vocab_size if k == -1 else k for k in wanted)
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        rep = [p.repetition_penalty for p in params]
+        no_penalties = (
+            all(f == 0 for f in freq) and all(p == 0 for p in pres) and all(r == 1 for r in rep)
+        )
+        prompt_ids = None
+        if any(r != 1 for r in rep):
+            max_len = max(len(s.prompt_token_ids) for s in states)
+            prompt_ids = torch.full((len(states), max_len), self.vocab_size, dtype=torch.int64)
+            for i, s in enumerate(states):
+                prompt_ids[i, : len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids)
+        allowed_mask = None
+        if any(p.allowed_token_ids is not None for p in params):
+            allowed_mask = torch.zeros(len(states), self.vocab_size, dtype=torch.bool)
+            for i, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    allowed_mask[i] = True
+                    allowed_mask[i, p.allowed_token_ids] = False
+        min_tokens = {
+            i: (p.min_tokens, p.all_stop_token_ids)
+            for i, p in enumerate(params)
+            if p.min_tokens > 0 and len(states[i].output_token_ids) < p.min_tokens
+        }
+        return SamplingMetadata(
+            temperature=None if all_greedy else torch.tensor(temps, dtype=torch.float32),
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_p=None if all(p == 1.0 for p in top_ps) else torch.tensor(top_ps),
+            top_k=None if all(k == 0 for k in top_ks) else torch.tensor(top_ks),
+            min_p=None if all(m == 0 for m in min_ps) else torch.tensor(min_ps),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            max_num_logprobs=max_num_logprobs,
+            no_penalties=no_penalties,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=[s.output_token_ids for s in states],
+            frequency_penalties=None if no_penalties else torch.tensor(freq),
+            presence_penalties=None if no_penalties else torch.tensor(pres),
+            repetition_penalties=None if no_penalties else torch.tensor(rep),
+            logit_bias=[p.logit_bias for p in params],
+            min_tokens=min_tokens,
+            allowed_token_ids_mask=allowed_mask,
+        )

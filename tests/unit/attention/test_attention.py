@@ -1,0 +1,131 @@
+"""The fast CPU attention path equals the pure-torch reference on random mixed batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedinfer.attention.backend import CommonAttentionMetadata
+from pagedinfer.attention.cpu_sdpa import CpuSdpaBackend
+from pagedinfer.attention.torch_ref import TorchRefBackend, context_slots
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 96
+
+
+def _random_batch(rng: random.Random, dtype: torch.dtype):
+    """Requests of three kinds: fresh prefills, chunks over a cached prefix, decodes."""
+    num_reqs = rng.randint(1, 6)
+    free_blocks = list(range(NUM_BLOCKS))
+    rng.shuffle(free_blocks)
+    query_lens, seq_lens, tables = [], [], []
+    for _ in range(num_reqs):
+        kind = rng.choice(["prefill", "chunk", "decode"])
+        if kind == "prefill":
+            q = rng.randint(1, 20)
+            s = q
+        elif kind == "chunk":
+            q = rng.randint(2, 12)
+            s = q + rng.randint(1, 20)
+        else:
+            q = 1
+            s = rng.randint(1, 30)
+        n_blocks = -(-s // BLOCK_SIZE)
+        tables.append([free_blocks.pop() for _ in range(n_blocks)])
+        query_lens.append(q)
+        seq_lens.append(s)
+    max_blocks = max(len(t) for t in tables)
+    block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        block_table[r, : len(t)] = torch.tensor(t)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    slot_mapping = torch.cat(
+        [
+            context_slots(block_table[r], seq_lens[r], BLOCK_SIZE)[seq_lens[r] - query_lens[r] :]
+            for r in range(num_reqs)
+        ]
+    )
+    common = CommonAttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=qsl[-1],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_cpu=seq_lens,
+        num_computed_tokens_cpu=[s - q for s, q in zip(seq_lens, query_lens)],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        block_size=BLOCK_SIZE,
+    )
+    n = qsl[-1]
+    q = torch.randn(n, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    # The cached prefix holds random data already (as if written by earlier steps).
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    return common, q, k, v, cache
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_fast_path_matches_reference_fp32(seed: int) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    common, q, k, v, cache = _random_batch(rng, torch.float32)
+    scale = HEAD_DIM**-0.5
+    ref = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    fast = CpuSdpaBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    cache_ref, cache_fast = cache.clone(), cache.clone()
+    out_ref = ref.forward(q, k, v, cache_ref, ref.build(common))
+    out_fast = fast.forward(q, k, v, cache_fast, fast.build(common))
+    assert torch.equal(cache_ref, cache_fast)  # both wrote the same slots
+    torch.testing.assert_close(out_fast, out_ref, atol=1e-4, rtol=0)
+
+
+def test_fast_path_matches_reference_bf16() -> None:
+    rng = random.Random(123)
+    torch.manual_seed(123)
+    common, q, k, v, cache = _random_batch(rng, torch.bfloat16)
+    scale = HEAD_DIM**-0.5
+    ref = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    fast = CpuSdpaBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    out_ref = ref.forward(q, k, v, cache.clone(), ref.build(common))
+    out_fast = fast.forward(q, k, v, cache.clone(), fast.build(common))
+    torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=3e-2, rtol=0)
+
+
+def test_reference_equals_dense_causal_attention() -> None:
+    """The oracle itself: one fresh prefill equals plain causal attention."""
+    torch.manual_seed(0)
+    n = 11
+    q = torch.randn(n, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
+    block_table = torch.tensor([[5, 2, 9]], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        num_reqs=1,
+        num_actual_tokens=n,
+        query_start_loc=torch.tensor([0, n]),
+        query_start_loc_cpu=[0, n],
+        seq_lens=torch.tensor([n]),
+        seq_lens_cpu=[n],
+        num_computed_tokens_cpu=[0],
+        max_query_len=n,
+        max_seq_len=n,
+        block_table=block_table,
+        slot_mapping=context_slots(block_table[0], n, BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
+    )
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    out = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale).forward(q, k, v, cache, common)
+    kk = k.repeat_interleave(3, dim=1)
+    vv = v.repeat_interleave(3, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    scores = scores + torch.full((n, n), float("-inf")).triu(1)
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)

@@ -1,0 +1,73 @@
+"""Factories for scheduler tests: no model runs; outputs are hand-built ModelRunnerOutputs."""
+
+from __future__ import annotations
+
+from pagedinfer.config import CacheConfig, SchedulerConfig
+from pagedinfer.core.request import Request
+from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.scheduler import Scheduler
+from pagedinfer.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def create_scheduler(
+    num_blocks: int = 1000,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 16,
+    max_model_len: int = 4096,
+    enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
+    policy: str = "fcfs",
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            policy=policy,  # type: ignore[arg-type]
+        ),
+        CacheConfig(block_size=block_size),
+        num_kv_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )
+
+
+def create_requests(
+    num_requests: int,
+    num_tokens: int = 10,
+    max_tokens: int = 16,
+    start: int = 0,
+    **params: object,
+) -> list[Request]:
+    out = []
+    for i in range(start, start + num_requests):
+        sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+        sp.update_from_eos((EOS,))
+        out.append(
+            Request(
+                request_id=str(i),
+                prompt_token_ids=[100 + i] * num_tokens,
+                sampling_params=sp,
+                eos_token_id=EOS,
+                arrival_time=float(i),
+            )
+        )
+    return out
+
+
+def make_output(so: SchedulerOutput, scheduler: Scheduler, token: int = 7) -> ModelRunnerOutput:
+    """Every request whose chunk reaches the end of its known tokens samples `token`."""
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests.get(req_id)
+        done = request is not None and request.num_computed_tokens >= request.num_tokens
+        sampled.append([token] if done else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )

@@ -1,0 +1,326 @@
+"""Tests for the model loader: GGUF -> HF names (with the Q/K rotary row order undone), HF
+directories (single and sharded safetensors, tying), export_hf_dir, and parity with transformers'
+own GGUF loading of the default model (the check that proves the permutation undo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagedinfer.model.gguf import find_default_model
+from pagedinfer.model.loader import (
+    ModelArchConfig,
+    _undo_rope_permutation,
+    export_hf_dir,
+    load_model_config,
+    load_model_weights,
+)
+
+# No model hub in tests; set before anything imports transformers/huggingface_hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+TINY = {"hidden": 8, "heads": 2, "kv_heads": 1, "ffn": 12, "vocab": 16, "layers": 2}
+
+
+def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """HF rotate-half rows -> llama.cpp interleaved rows (the converter's forward transform)."""
+    rows, cols = w.shape
+    return w.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _tiny_hf_weights(seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    h, ffn, vocab = TINY["hidden"], TINY["ffn"], TINY["vocab"]
+    head_dim = h // TINY["heads"]
+    kv = TINY["kv_heads"] * head_dim
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": rand(h)}
+    if not tied:
+        w["lm_head.weight"] = rand(vocab, h)
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "self_attn.q_proj.weight": rand(h, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, h),
+            p + "mlp.gate_proj.weight": rand(ffn, h),
+            p + "mlp.up_proj.weight": rand(ffn, h),
+            p + "mlp.down_proj.weight": rand(h, ffn),
+            p + "input_layernorm.weight": rand(h),
+            p + "post_attention_layernorm.weight": rand(h),
+        }
+    return w
+
+
+_TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def _write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama") -> None:
+    gguf = pytest.importorskip("gguf", reason="gguf's writer builds the tiny test file")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(TINY["layers"])
+    writer.add_context_length(64)
+    writer.add_embedding_length(TINY["hidden"])
+    writer.add_feed_forward_length(TINY["ffn"])
+    writer.add_head_count(TINY["heads"])
+    writer.add_head_count_kv(TINY["kv_heads"])
+    writer.add_rope_freq_base(5000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(3)
+    for name, tensor in hf.items():
+        if name.startswith("model.layers."):
+            parts = name.split(".")  # model.layers.{i}.{module...}.weight
+            i, module = parts[2], ".".join(parts[3:-1])
+            gname = f"blk.{i}.{_TO_GGUF[module]}.weight"
+            if module == "self_attn.q_proj":
+                tensor = _permute_like_llama_cpp(tensor, TINY["heads"])
+            elif module == "self_attn.k_proj":
+                tensor = _permute_like_llama_cpp(tensor, TINY["kv_heads"])
+        else:
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
+        writer.add_tensor(gname, np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# ---- permutation ------------------------------------------------------------------------------
+
+
+def test_undo_rope_permutation_known_example() -> None:
+    # one head, head_dim 4: HF rows [x0, x1, y0, y1] are stored as [x0, y0, x1, y1]
+    gguf_rows = np.array([[0.0], [2.0], [1.0], [3.0]], dtype=np.float32)  # x0 y0 x1 y1
+    np.testing.assert_array_equal(_undo_rope_permutation(gguf_rows, 1).ravel(), [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(9, 64), (3, 64), (2, 4)])
+def test_undo_rope_permutation_inverts_converter(num_heads: int, head_dim: int) -> None:
+    w = np.random.default_rng(1).standard_normal((num_heads * head_dim, 5)).astype(np.float32)
+    permuted = _permute_like_llama_cpp(w, num_heads)
+    assert not np.array_equal(permuted, w)
+    np.testing.assert_array_equal(_undo_rope_permutation(permuted, num_heads), w)
+
+
+# ---- tiny GGUF --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_gguf_names_layout_and_tying(tmp_path: Path, tied: bool) -> None:
+    hf = _tiny_hf_weights(tied=tied)
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, hf)
+    config, weights = load_model_weights(str(path), torch.float32)
+    assert config == load_model_config(str(path))
+    assert config.tie_word_embeddings is tied
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2, 1, 4)
+    assert (config.rope_theta, config.max_position_embeddings, config.vocab_size) == (
+        5000.0,
+        64,
+        TINY["vocab"],
+    )
+    assert config.eos_token_ids == (3,) and config.eos_token_id == 3 and config.bos_token_id == 1
+    assert set(weights) == set(hf)
+    for name, expected in hf.items():
+        assert weights[name].dtype == torch.float32
+        np.testing.assert_array_equal(weights[name].numpy(), expected, err_msg=name)
+
+
+def test_tiny_gguf_bfloat16(tmp_path: Path) -> None:
+    hf = _tiny_hf_weights()
+    _write_tiny_gguf(tmp_path / "tiny.gguf", hf)
+    _, weights = load_model_weights(str(tmp_path / "tiny.gguf"), torch.bfloat16)
+    q = weights["model.layers.1.self_attn.q_proj.weight"]
+    assert q.dtype == torch.bfloat16 and q.is_contiguous()
+    expected = torch.from_numpy(hf["model.layers.1.self_attn.q_proj.weight"]).bfloat16()
+    assert torch.equal(q, expected)
+
+
+def test_non_llama_gguf_rejected(tmp_path: Path) -> None:
+    _write_tiny_gguf(tmp_path / "x.gguf", _tiny_hf_weights(), arch="qwen2")
+    with pytest.raises(ValueError, match="qwen2"):
+        load_model_weights(str(tmp_path / "x.gguf"))
+
+
+# ---- HF directories ---------------------------------------------------------------------------
+
+
+def _hf_config_json(tied: bool) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": TINY["vocab"],
+        "hidden_size": TINY["hidden"],
+        "intermediate_size": TINY["ffn"],
+        "num_hidden_layers": TINY["layers"],
+        "num_attention_heads": TINY["heads"],
+        "num_key_value_heads": TINY["kv_heads"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": [3, 4],
+    }
+
+
+def _write_hf_dir(root: Path, tensors: dict[str, np.ndarray], tied: bool, sharded: bool) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(_hf_config_json(tied)))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 5]}))
+    pt = {k: torch.from_numpy(v).bfloat16() for k, v in tensors.items()}  # stored as bf16
+    if not sharded:
+        save_file(pt, str(root / "model.safetensors"))
+        return
+    names = sorted(pt)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for shard, keys in shards.items():
+        save_file({k: pt[k] for k in keys}, str(root / shard))
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hf_dir_loads_untied(tmp_path: Path, sharded: bool) -> None:
+    hf = _tiny_hf_weights(tied=False)
+    _write_hf_dir(tmp_path, hf, tied=False, sharded=sharded)
+    config, weights = load_model_weights(str(tmp_path), torch.float32)
+    assert config == load_model_config(str(tmp_path))
+    assert not config.tie_word_embeddings and "lm_head.weight" in weights
+    assert config.eos_token_ids == (3, 4, 5) and config.eos_token_id == 3
+    assert (config.head_dim, config.rope_theta) == (4, 500000.0)
+    assert set(weights) == set(hf)
+    for name, expected in hf.items():
+        bf16_rounded = torch.from_numpy(expected).bfloat16().float()
+        assert weights[name].dtype == torch.float32
+        assert torch.equal(weights[name], bf16_rounded), name
+
+
+@pytest.mark.parametrize("declared_tied", [True, False])
+def test_hf_dir_ties_when_declared_or_lm_head_missing(tmp_path: Path, declared_tied: bool) -> None:
+    # declared tied: lm_head is in the file but dropped; undeclared: lm_head is absent
+    hf = _tiny_hf_weights(tied=not declared_tied)
+    _write_hf_dir(tmp_path, hf, tied=declared_tied, sharded=False)
+    config, weights = load_model_weights(str(tmp_path), torch.bfloat16)
+    assert config.tie_word_embeddings and "lm_head.weight" not in weights
+    assert weights["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_missing_path_and_bad_dtype(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_model_weights(str(tmp_path / "nope.gguf"))
+    _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights())
+    with pytest.raises(ValueError, match="dtype"):
+        load_model_weights(str(tmp_path / "tiny.gguf"), torch.int8)
+
+
+def test_arch_config_is_frozen_and_validated() -> None:
+    config = load_model_config(None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.hidden_size = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="eos"):
+        dataclasses.replace(config, eos_token_ids=())
+    d = dataclasses.replace(config, eos_token_ids=(2, 7)).to_hf_config_dict()
+    assert d["eos_token_id"] == [2, 7] and d["architectures"] == ["LlamaForCausalLM"]
+    assert d["rope_parameters"]["rope_theta"] == config.rope_theta
+
+
+# ---- default model ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_model_loads_fast(dtype: torch.dtype) -> None:
+    start = time.perf_counter()
+    config, weights = load_model_weights(None, dtype)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10.0, f"default model took {elapsed:.1f}s to load (goal < 5 s)"
+    assert config == ModelArchConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        rms_norm_eps=float(np.float32(1e-5)), rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+    )  # fmt: skip
+    assert len(weights) == 2 + 30 * 9 and "lm_head.weight" not in weights
+    assert all(w.dtype == dtype for w in weights.values())
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_state_dict() -> dict[str, torch.Tensor]:
+    """transformers' own dequantised, un-permuted load of the default GGUF (float32)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference")
+    path = find_default_model()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return dict(model.state_dict())
+
+
+@pytest.mark.integration
+def test_default_model_matches_transformers(hf_gguf_state_dict: dict[str, torch.Tensor]) -> None:
+    _, ours = load_model_weights(None, torch.float32)
+    # transformers lists the tied lm_head too; we leave it out because it is tied.
+    assert set(hf_gguf_state_dict) - set(ours) == {"lm_head.weight"}
+    for name, tensor in ours.items():
+        reference = hf_gguf_state_dict[name]
+        assert tensor.shape == reference.shape, name
+        # (assert_close is ~20x slower on 135M elements; a max-abs check says the same)
+        assert (tensor - reference).abs().max().item() <= 1e-6, name
+
+
+@pytest.mark.integration
+def test_export_hf_dir_round_trip(
+    tmp_path: Path, hf_gguf_state_dict: dict[str, torch.Tensor]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = export_hf_dir(None, tmp_path / "smollm2", torch.float32)
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):  # fmt: skip
+        assert os.path.exists(os.path.join(out, name)), name
+
+    # our loader reads it back to the same config and tensors
+    config, reloaded = load_model_weights(out, torch.float32)
+    assert config == load_model_config(None)
+    _, original = load_model_weights(None, torch.float32)
+    assert set(reloaded) == set(original)
+    assert all(torch.equal(reloaded[k], original[k]) for k in original)
+
+    # transformers reads it as a tied Llama with the same weights as its GGUF path
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, hf_gguf_state_dict[name]), name
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "<|im_start|>user\nVietnamese: Xin chào 12345  x<|im_end|>"
+    from pagedinfer.tokenizer import Tokenizer
+
+    assert hf_tok.encode(text) == Tokenizer.from_model_path(None).encode(text)
+    assert (hf_tok.bos_token, hf_tok.eos_token) == ("<|im_start|>", "<|im_end|>")
