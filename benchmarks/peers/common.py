@@ -1,0 +1,102 @@
+"""Shared plumbing for the peer benchmark scripts (stdlib only; every peer venv imports it).
+
+Each script measures the same four things on the same token ids (see benchmarks/workload.py):
+  offline_output_tok_s  sum of requested output lengths / wall time (ignore_eos: every request
+                        generates exactly its output_len)
+  prefill_512_tok_s     512 / time of (512-token prompt -> 1 output token), best of N after a warm-up
+  decode_b1_tok_s       (D - 1) / (time(D tokens) - time(1 token)) on the short decode prompt,
+                        each time best of N after a warm-up: the decode phase alone
+  peak_rss_mb           resource.getrusage maxrss of this process (+ children, reported apart)
+and prints one JSON line to stdout; everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from workload import load as load_workload  # noqa: E402
+
+DEFAULT_WORK = os.environ.get("PEERS_WORK", "/opt/peers/work")
+DEFAULT_WORKLOAD = os.path.join(DEFAULT_WORK, "workload.json")
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def base_parser(description: str, num_requests: int | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="file from benchmarks/workload.py")
+    parser.add_argument("--num-requests", type=int, default=num_requests, help="first N requests (default: all)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="best of N for prefill/decode")
+    return parser
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Run fn once to warm up, then `repeats` times; the fastest wall time in seconds."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def prefill_and_decode(
+    generate: Callable[[list[int], int], object], workload: dict, decode_tokens: int, repeats: int
+) -> dict:
+    """`generate(prompt_ids, n)` must produce exactly n tokens, greedy, from a cold cache."""
+    prefill_ids = workload["prefill_prompt_token_ids"]
+    decode_ids = workload["decode_prompt_token_ids"]
+    t_prefill = best_time(lambda: generate(prefill_ids, 1), repeats)
+    t_first = best_time(lambda: generate(decode_ids, 1), repeats)
+    t_all = best_time(lambda: generate(decode_ids, decode_tokens), repeats)
+    return {
+        "prefill_512_tok_s": round(len(prefill_ids) / t_prefill, 1),
+        "decode_b1_tok_s": round((decode_tokens - 1) / (t_all - t_first), 1),
+        "decode_b1_tokens": decode_tokens,
+        "decode_b1_e2e_s": round(t_all, 3),
+    }
+
+
+def _descendants_hwm_mb() -> float:
+    """Peak RSS (VmHWM) summed over live descendant processes (vLLM's engine core)."""
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            if pid != os.getpid():
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            total += int(line.split()[1]) / 1024
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def emit(result: dict) -> None:
+    """Add memory figures and print the single JSON result line to stdout."""
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    children = max(
+        _descendants_hwm_mb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    )
+    if children:
+        result["peak_rss_children_mb"] = round(children, 1)
+    print(json.dumps(result), flush=True)
+
+
+__all__ = ["base_parser", "best_time", "emit", "load_workload", "log", "prefill_and_decode"]
