@@ -33,6 +33,10 @@ class ModelConfig:
     """Seed of the global random generator (for requests without their own seed)."""
     attention_backend: Literal["auto", "torch_ref", "cpu_sdpa"] = "auto"
     """Attention implementation: "torch_ref" is the slow pure-torch oracle."""
+    int4_max_tokens: int = Field(default=16, ge=0)
+    """Steps with at most this many tokens run the GGUF file's own 4-bit matrices (Q4_0/Q4_1)
+    through torch's int4 weight-only kernel: small-batch decode then reads ~4.5 bits per
+    weight instead of 16 or 32. Larger steps use the dense weights. 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
 

@@ -1,9 +1,11 @@
 """Fast CPU attention built on `torch.nn.functional.scaled_dot_product_attention`.
 
 The batch is split, once per step in `build()`, into three kinds of request:
-- decodes (query length 1): all of them in ONE padded SDPA call per layer; their contexts
-  are gathered from the paged cache with a precomputed [num_decodes, max_seq_len] slot
-  index and a key-padding mask (index and mask are shared by every layer);
+- decodes (query length 1): batched into a few padded SDPA calls per layer; their contexts
+  are gathered from the paged cache with a precomputed [group_size, max_seq_len] slot
+  index and a key-padding mask (shared by every layer). Decodes are grouped by context
+  length so that padding stays small (gathering pads every row to the group's longest
+  context, and the gathered bytes dominate decode attention at large batches);
 - fresh prefills (nothing cached yet): SDPA straight on this step's K/V with
   `is_causal=True`, no cache read at all;
 - prefill chunks over a cached prefix: gather the request's context, SDPA with a causal
@@ -34,18 +36,29 @@ class _Chunk:
 
 
 @dataclass
+class _DecodeGroup:
+    token_idx: torch.Tensor
+    """[group_size] int64 rows of the flattened batch."""
+    slots: torch.Tensor
+    """[group_size, max_seq_len] int64 cache slots (padded with slot 0)."""
+    mask: torch.Tensor | None
+    """[group_size, 1, 1, max_seq_len] bool, True where the key is real; None if no padding."""
+    contiguous_start: int | None
+    """If the group's rows are start..start+size-1, `start` (lets forward slice, not gather)."""
+
+
+@dataclass
 class CpuSdpaMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] int64"""
-    decode_token_idx: torch.Tensor | None
-    """[num_decodes] int64 rows of the flattened batch that are decodes."""
-    decode_slots: torch.Tensor | None
-    """[num_decodes, max_decode_seq_len] int64 cache slots (padded with slot 0)."""
-    decode_mask: torch.Tensor | None
-    """[num_decodes, 1, 1, max_decode_seq_len] bool, True where the key is real."""
+    decode_groups: list[_DecodeGroup]
     chunks: list[_Chunk]
-    all_decodes_contiguous: bool
-    """The decodes are exactly rows 0..num_decodes-1 (lets forward skip a gather)."""
+
+
+# A new decode group starts when a context is shorter than this fraction of the group's
+# longest one: at most ~1/_GROUP_RATIO padding overhead per group, and only a handful of
+# SDPA calls per layer.
+_GROUP_RATIO = 0.8
 
 
 class CpuSdpaBackend(AttentionBackend):
@@ -73,27 +86,52 @@ class CpuSdpaBackend(AttentionBackend):
                 mask = positions[None, :] <= q_pos  # [query_len, seq_len]
                 chunks.append(_Chunk(q_start, q_end, slots, mask))
 
-        decode_idx = decode_slots = decode_mask = None
-        if decode_reqs:
-            reqs = torch.tensor(decode_reqs)
-            seq_lens = common.seq_lens[reqs].long()  # [num_decodes]
-            max_len = int(seq_lens.max())
-            positions = torch.arange(max_len)
-            valid = positions[None, :] < seq_lens[:, None]  # [num_decodes, max_len]
-            block_idx = (positions // bs).expand(len(decode_reqs), -1)
-            blocks = torch.gather(common.block_table[reqs].long(), 1, block_idx)
-            decode_slots = torch.where(valid, blocks * bs + positions % bs, 0)
-            decode_mask = valid[:, None, None, :]
-            decode_idx = torch.tensor(decode_rows)
-        contiguous = decode_rows == list(range(len(decode_rows)))
+        groups = self._decode_groups(common, decode_rows, decode_reqs)
         return CpuSdpaMetadata(
-            slot_mapping=common.slot_mapping,
-            decode_token_idx=decode_idx,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            chunks=chunks,
-            all_decodes_contiguous=contiguous,
+            slot_mapping=common.slot_mapping, decode_groups=groups, chunks=chunks
         )
+
+    @staticmethod
+    def _decode_groups(
+        common: CommonAttentionMetadata, rows: list[int], reqs: list[int]
+    ) -> list[_DecodeGroup]:
+        if not reqs:
+            return []
+        bs = common.block_size
+        seq_lens = common.seq_lens_cpu
+        # Keep batch order inside a group when it is already sorted (the common case of a
+        # steady decode batch), so rows stay contiguous and need no gather.
+        order = sorted(range(len(reqs)), key=lambda i: -seq_lens[reqs[i]])
+        grouped: list[list[int]] = []
+        for i in order:
+            if grouped and seq_lens[reqs[i]] >= _GROUP_RATIO * seq_lens[reqs[grouped[-1][0]]]:
+                grouped[-1].append(i)
+            else:
+                grouped.append([i])
+        out = []
+        for members in grouped:
+            members.sort()
+            group_reqs = torch.tensor([reqs[i] for i in members])
+            group_rows = [rows[i] for i in members]
+            lens = common.seq_lens[group_reqs].long()  # [group_size]
+            max_len = int(lens.max())
+            positions = torch.arange(max_len)
+            valid = positions[None, :] < lens[:, None]  # [group_size, max_len]
+            block_idx = (positions // bs).expand(len(members), -1)
+            blocks = torch.gather(common.block_table[group_reqs].long(), 1, block_idx)
+            slots = torch.where(valid, blocks * bs + positions % bs, 0)
+            mask = None if bool(valid.all()) else valid[:, None, None, :]
+            start = group_rows[0]
+            contiguous = group_rows == list(range(start, start + len(group_rows)))
+            out.append(
+                _DecodeGroup(
+                    token_idx=torch.tensor(group_rows),
+                    slots=slots,
+                    mask=mask,
+                    contiguous_start=start if contiguous else None,
+                )
+            )
+        return out
 
     def forward(
         self,
@@ -124,21 +162,18 @@ class CpuSdpaBackend(AttentionBackend):
                 )
             out[chunk.q_start : chunk.q_end] = o.transpose(0, 1)
 
-        if metadata.decode_slots is not None:
-            assert metadata.decode_token_idx is not None
-            num_decodes = metadata.decode_slots.shape[0]
-            if metadata.all_decodes_contiguous:
-                q = query[:num_decodes]
-            else:
-                q = query[metadata.decode_token_idx]
-            q = q.unsqueeze(2)  # [num_decodes, heads, 1, dim]
-            k = key_cache[metadata.decode_slots].transpose(1, 2)  # [n, kv_heads, seq, dim]
-            v = value_cache[metadata.decode_slots].transpose(1, 2)
+        for group in metadata.decode_groups:
+            n = group.slots.shape[0]
+            start = group.contiguous_start
+            q = query[start : start + n] if start is not None else query[group.token_idx]
+            q = q.unsqueeze(2)  # [n, heads, 1, dim]
+            k = key_cache[group.slots].transpose(1, 2)  # [n, kv_heads, seq, dim]
+            v = value_cache[group.slots].transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=metadata.decode_mask, scale=self.scale, enable_gqa=True
-            )  # [num_decodes, heads, 1, dim]
-            if metadata.all_decodes_contiguous:
-                out[:num_decodes] = o.squeeze(2)
+                q, k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True
+            ).squeeze(2)  # [n, heads, dim]
+            if start is not None:
+                out[start : start + n] = o
             else:
-                out[metadata.decode_token_idx] = o.squeeze(2)
+                out[group.token_idx] = o
         return out

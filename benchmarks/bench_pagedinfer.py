@@ -1,0 +1,107 @@
+"""pagedinfer on the shared benchmark workload; prints one JSON line like the peer scripts.
+
+    .venv/bin/python benchmarks/bench_pagedinfer.py --workload /opt/peers/work/workload.json \
+        [--dtype bfloat16] [--num-requests 200] [--max-num-seqs 256]
+
+Measures (see benchmarks/peers/common.py for the definitions shared with the peers):
+load time, offline throughput of `LLM.generate` on the ShareGPT requests (ignore_eos, each
+request generating its reference output length), 512-token prefill, batch-1 decode, peak RSS
+and the resident memory beyond weights + KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+from common import base_parser, emit, load_workload, log, prefill_and_decode  # noqa: E402
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> None:
+    parser = base_parser("pagedinfer offline benchmark")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
+    parser.add_argument("--int4-max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    workload = load_workload(args.workload, args.num_requests)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from pagedinfer import LLM, SamplingParams
+
+    rss_before = _rss_mb()
+    start = time.perf_counter()
+    llm = LLM(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        int4_max_tokens=args.int4_max_tokens,
+        max_model_len=4096,
+    )
+    load_s = time.perf_counter() - start
+    worker = llm.llm_engine.engine_core.executor.worker
+    weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    for module in worker.model.modules():
+        packed = getattr(module, "int4_weight", None)
+        if packed is not None:
+            weight_bytes += packed.numel() * packed.element_size()
+            weight_bytes += module.int4_scales_zeros.numel() * module.int4_scales_zeros.element_size()
+    kv_bytes = sum(t.numel() * t.element_size() for t in worker.runner.kv_caches)
+    log(f"loaded in {load_s:.2f} s; weights {weight_bytes / 2**20:.0f} MiB, KV {kv_bytes / 2**20:.0f} MiB")
+
+    def generate(prompt_ids: list[int], n: int) -> object:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
+
+    reqs = workload["requests"]
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in reqs
+    ]
+    # Warm-up on a few requests (first-call allocations), then the timed run.
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert num_out == sum(r["output_len"] for r in reqs), "ignore_eos: every length must be met"
+
+    result = {
+        "engine": "pagedinfer",
+        "dtype": str(worker.dtype).removeprefix("torch."),
+        "threads": args.threads,
+        "load_s": round(load_s, 2),
+        "offline_output_tok_s": round(num_out / elapsed, 1),
+        "offline_total_tok_s": round(
+            (num_out + sum(len(r["prompt_token_ids"]) for r in reqs)) / elapsed, 1
+        ),
+        "offline_num_requests": len(reqs),
+        "offline_s": round(elapsed, 1),
+    }
+    result.update(prefill_and_decode(generate, workload, args.decode_tokens, args.repeats))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = round(peak, 1)
+    result["weights_mb"] = round(weight_bytes / 2**20, 1)
+    result["kv_cache_mb"] = round(kv_bytes / 2**20, 1)
+    result["rss_beyond_weights_kv_mb"] = round(peak - (weight_bytes + kv_bytes) / 2**20, 1)
+    result["rss_before_load_mb"] = round(rss_before, 1)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
