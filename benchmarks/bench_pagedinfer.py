@@ -60,9 +60,13 @@ def main() -> None:
         packed = getattr(module, "int4_weight", None)
         if packed is not None:
             weight_bytes += packed.numel() * packed.element_size()
-            weight_bytes += module.int4_scales_zeros.numel() * module.int4_scales_zeros.element_size()
+            weight_bytes += (
+                module.int4_scales_zeros.numel() * module.int4_scales_zeros.element_size()
+            )
     kv_bytes = sum(t.numel() * t.element_size() for t in worker.runner.kv_caches)
-    log(f"loaded in {load_s:.2f} s; weights {weight_bytes / 2**20:.0f} MiB, KV {kv_bytes / 2**20:.0f} MiB")
+    mib = 2**20
+    log(f"loaded in {load_s:.2f} s; weights {weight_bytes / mib:.0f} MiB")
+    log(f"KV cache {kv_bytes / mib:.0f} MiB")
 
     def generate(prompt_ids: list[int], n: int) -> object:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
