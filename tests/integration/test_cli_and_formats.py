@@ -1,0 +1,66 @@
+"""The `pagedinfer` CLI in real subprocesses, and loading the model as an HF directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["--dtype", "float32", "--kv-cache-memory-bytes", str(64 * 2**20), "--max-model-len", "512"]
+
+
+def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pagedinfer", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_generate_prints_text() -> None:
+    proc = _run(["generate", "--prompt", "Hello, my name is", "--max-tokens", "12", *SMALL])
+    assert proc.returncode == 0, proc.stderr
+    # Greedy continuation of this prompt by the default model (same as transformers).
+    assert "Alex, and I'm a professional coach" in proc.stdout
+    assert "finish_reason=length" in proc.stdout
+    assert "KV cache:" in proc.stderr and "blocks" in proc.stderr  # startup log
+    assert "output tok/s" in proc.stdout  # end-of-run throughput
+
+
+def test_cli_chat_streams_a_reply() -> None:
+    proc = _run(
+        ["chat", "--max-tokens", "16", *SMALL], stdin="What is the capital of France?\n\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tok/s" in proc.stderr
+
+
+def test_cli_rejects_bad_option() -> None:
+    proc = _run(["generate", "--policy", "random"])
+    assert proc.returncode != 0 and "invalid choice" in proc.stderr
+
+
+def test_hf_directory_gives_the_same_greedy_tokens(tmp_path, default_gguf_path) -> None:
+    import torch
+
+    from pagedinfer.model.loader import export_hf_dir
+
+    hf_dir = export_hf_dir(default_gguf_path, os.path.join(tmp_path, "smollm2"), torch.float32)
+    kwargs = dict(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    prompt = "The capital of France is"
+    # Dense weights on both sides (an HF directory has no 4-bit codes).
+    gguf = LLM(int4_max_tokens=0, **kwargs).generate(prompt, params, use_tqdm=False)[0]
+    hf = LLM(hf_dir, **kwargs).generate(prompt, params, use_tqdm=False)[0]
+    assert hf.prompt_token_ids == gguf.prompt_token_ids
+    assert hf.outputs[0].token_ids == gguf.outputs[0].token_ids
+    assert hf.outputs[0].text == gguf.outputs[0].text
