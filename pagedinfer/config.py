@@ -31,12 +31,17 @@ class ModelConfig:
     """Longest prompt + output in tokens; None means the model's context length."""
     seed: int = 0
     """Seed of the global random generator (for requests without their own seed)."""
-    attention_backend: Literal["auto", "torch_ref", "cpu_sdpa"] = "auto"
-    """Attention implementation: "torch_ref" is the slow pure-torch oracle."""
-    int4_max_tokens: int = Field(default=16, ge=0)
+    attention_backend: Literal["auto", "torch_ref", "cpu_sdpa", "cpu_paged"] = "auto"
+    """Attention implementation. "cpu_paged": SDPA for prefills plus a C++ kernel that reads
+    the paged cache in place for decodes (compiled on first use); "cpu_sdpa": SDPA only;
+    "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernel builds,
+    else cpu_sdpa."""
+    int4_max_tokens: int = Field(default=4, ge=0)
     """Steps with at most this many tokens run the GGUF file's own 4-bit matrices (Q4_0/Q4_1)
     through torch's int4 weight-only kernel: small-batch decode then reads ~4.5 bits per
-    weight instead of 16 or 32. Larger steps use the dense weights. 0 disables."""
+    weight instead of 16. Larger steps use the dense weights (the kernel's cost grows with
+    the rows; it measured faster than dense bf16 up to ~4-6 rows). bfloat16 only: with
+    float32 activations the kernel is slower than dense float32. 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
 

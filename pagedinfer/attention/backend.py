@@ -96,13 +96,12 @@ class AttentionBackend(ABC):
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter the new tokens' K/V into their cache slots (slot -1 is padding: skipped)."""
+    """Scatter the new tokens' K/V into their cache slots."""
     num_kv_heads, head_dim = key.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    # Padding slots (-1) never occur in our batches (no CUDA-graph padding on CPU); callers
+    # that pad must drop those rows first. index_copy_ raises on a negative index.
     key_cache.index_copy_(0, slot_mapping, key)
     value_cache.index_copy_(0, slot_mapping, value)
 

@@ -10,6 +10,9 @@ The batch is split, once per step in `build()`, into three kinds of request:
   `is_causal=True`, no cache read at all;
 - prefill chunks over a cached prefix: gather the request's context, SDPA with a causal
   mask shifted by the cached length.
+When the C++ paged decode kernel (`kernels/paged_attention.py`) is available, decodes use it
+instead: one call per layer that reads K/V in place through the block table, with no
+gathered copy (`CpuPagedBackend`, the default).
 Results equal `TorchRefBackend` within float tolerance (tests/unit/attention).
 """
 
@@ -48,11 +51,23 @@ class _DecodeGroup:
 
 
 @dataclass
+class _PagedDecodes:
+    token_idx: torch.Tensor
+    """[num_decodes] int64 rows of the flattened batch."""
+    block_table: torch.Tensor
+    """[num_decodes, max_blocks] int32"""
+    seq_lens: torch.Tensor
+    """[num_decodes] int32"""
+    contiguous_start: int | None
+
+
+@dataclass
 class CpuSdpaMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] int64"""
     decode_groups: list[_DecodeGroup]
     chunks: list[_Chunk]
+    paged_decodes: _PagedDecodes | None = None
 
 
 # A new decode group starts when a context is shorter than this fraction of the group's
@@ -65,6 +80,11 @@ class CpuSdpaBackend(AttentionBackend):
     name = "cpu_sdpa"
 
     def build(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
+        return self._build(common, batch_decodes=True)
+
+    def _build(self, common: CommonAttentionMetadata, batch_decodes: bool) -> CpuSdpaMetadata:
+        """SDPA metadata; with batch_decodes=False decode requests are left out (another
+        path handles them)."""
         bs = common.block_size
         qsl = common.query_start_loc_cpu
         decode_rows: list[int] = []
@@ -75,8 +95,9 @@ class CpuSdpaBackend(AttentionBackend):
             query_len = q_end - q_start
             seq_len = common.seq_lens_cpu[r]
             if query_len == 1:
-                decode_rows.append(q_start)
-                decode_reqs.append(r)
+                if batch_decodes:
+                    decode_rows.append(q_start)
+                    decode_reqs.append(r)
             elif seq_len == query_len:
                 chunks.append(_Chunk(q_start, q_end, None, None))
             else:
@@ -147,20 +168,22 @@ class CpuSdpaBackend(AttentionBackend):
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
 
         for chunk in metadata.chunks:
-            q = query[chunk.q_start : chunk.q_end].transpose(0, 1)  # [heads, q_len, dim]
+            # 4-D inputs ([1, heads, len, dim]): torch's fused CPU flash kernel only takes
+            # batched inputs; 3-D ones fall back to the unfused math path (~10x slower).
+            q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, heads, q, dim]
             if chunk.slots is None:
-                k = key[chunk.q_start : chunk.q_end].transpose(0, 1)  # [kv_heads, q_len, dim]
-                v = value[chunk.q_start : chunk.q_end].transpose(0, 1)
+                k = key[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, kv_heads, q, dim]
+                v = value[chunk.q_start : chunk.q_end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
                 )
             else:
-                k = key_cache[chunk.slots].transpose(0, 1)  # [kv_heads, seq_len, dim]
-                v = value_cache[chunk.slots].transpose(0, 1)
+                k = key_cache[chunk.slots].transpose(0, 1)[None]  # [1, kv_heads, seq, dim]
+                v = value_cache[chunk.slots].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True
                 )
-            out[chunk.q_start : chunk.q_end] = o.transpose(0, 1)
+            out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
 
         for group in metadata.decode_groups:
             n = group.slots.shape[0]
@@ -176,4 +199,66 @@ class CpuSdpaBackend(AttentionBackend):
                 out[start : start + n] = o
             else:
                 out[group.token_idx] = o
+        return out
+
+
+__all__ += ["CpuPagedBackend"]
+
+
+class CpuPagedBackend(CpuSdpaBackend):
+    """SDPA for prefills and chunks, the C++ paged kernel for decodes."""
+
+    name = "cpu_paged"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        from pagedinfer.kernels.paged_attention import load_paged_attention
+
+        self.kernel = load_paged_attention()
+        if self.kernel is None:
+            raise RuntimeError("the paged attention kernel could not be built")
+
+    def build(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
+        qsl = common.query_start_loc_cpu
+        decode_reqs = [r for r in range(common.num_reqs) if qsl[r + 1] - qsl[r] == 1]
+        if not decode_reqs:
+            return super().build(common)
+        metadata = self._build(common, batch_decodes=False)
+        rows = [qsl[r] for r in decode_reqs]
+        reqs = torch.tensor(decode_reqs)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        metadata.paged_decodes = _PagedDecodes(
+            token_idx=torch.tensor(rows),
+            block_table=common.block_table[reqs].contiguous(),
+            seq_lens=common.seq_lens[reqs].to(torch.int32).contiguous(),
+            contiguous_start=rows[0] if contiguous else None,
+        )
+        return metadata
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuSdpaMetadata,
+    ) -> torch.Tensor:
+        out = super().forward(query, key, value, kv_cache, metadata)
+        paged = metadata.paged_decodes
+        if paged is not None:
+            n = paged.seq_lens.shape[0]
+            start = paged.contiguous_start
+            q = query[start : start + n] if start is not None else query[paged.token_idx]
+            o = self.kernel.paged_decode_attention(
+                q.contiguous(),
+                kv_cache[0],
+                kv_cache[1],
+                paged.block_table,
+                paged.seq_lens,
+                self.scale,
+            )  # [n, heads, dim]
+            if start is not None:
+                out[start : start + n] = o
+            else:
+                out[paged.token_idx] = o
         return out

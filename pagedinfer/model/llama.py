@@ -39,9 +39,13 @@ class RMSNorm(nn.Module):
         self.shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in float32, cast back, then scale by the weight. The fused
-        # F.rms_norm is bitwise equal to HF's pow/mean/rsqrt chain in float32, in one op.
-        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+        if x.dtype == torch.float32:
+            # As HF: normalise, then scale by the weight. The fused F.rms_norm is bitwise
+            # equal to HF's pow/mean/rsqrt chain in float32 (greedy parity depends on it).
+            return self.weight * F.rms_norm(x, self.shape, eps=self.eps)
+        # Lower precision: one fused op (it accumulates in float32 internally); rounding
+        # once after the weight instead of HF's twice, i.e. slightly more accurate.
+        return F.rms_norm(x, self.shape, self.weight, eps=self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedinfer.attention.backend import (
@@ -49,16 +50,19 @@ class CachedRequestState:
     generator: torch.Generator | None
     # Prompt logprobs gathered chunk by chunk until the prompt is done.
     prompt_logprobs: list[LogprobsTensors] = field(default_factory=list)
+    # prompt + output, kept in step with output_token_ids by append_token().
+    all_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
-    def token_id(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        if position < n:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - n]
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
 
 @dataclass
@@ -128,57 +132,65 @@ class ModelRunner:
 
         bs = self.block_size
         req_ids = list(so.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        states = [self.requests[r] for r in req_ids]
+        num_scheduled = np.fromiter(
+            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=num_reqs
+        )  # [num_reqs]
+        computed_np = np.fromiter(
+            (s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs
+        )  # [num_reqs]
+        seq_lens_np = computed_np + num_scheduled  # [num_reqs]
+        qsl_np = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=qsl_np[1:])
+        num_tokens = int(qsl_np[-1])
+
         token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        computed: list[int] = []
         logits_rows: list[int] = []
         sampling_req_ids: list[str] = []
         prompt_lp_reqs: list[tuple[str, int, int]] = []  # (req_id, first row, num rows)
-        for req_id in req_ids:
-            state = self.requests[req_id]
-            n = so.num_scheduled_tokens[req_id]
-            start = state.num_computed_tokens
-            end = start + n
-            for pos in range(start, end):
-                token_ids.append(state.token_id(pos))
-                slots.append(state.block_ids[pos // bs] * bs + pos % bs)
-            positions.extend(range(start, end))
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table_np = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        for i, state in enumerate(states):
+            start, end = int(computed_np[i]), int(seq_lens_np[i])
+            token_ids.extend(state.all_token_ids[start:end])
+            block_table_np[i, : len(state.block_ids)] = state.block_ids
             num_prompt = len(state.prompt_token_ids)
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
                 # Rows predicting prompt tokens start+1 .. min(end, num_prompt - 1).
-                prompt_lp_reqs.append((req_id, qsl[-1], min(end, num_prompt - 1) - start))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            computed.append(start)
+                prompt_lp_reqs.append(
+                    (state.req_id, int(qsl_np[i]), min(end, num_prompt - 1) - start)
+                )
             if end >= state.num_tokens:
-                logits_rows.append(qsl[-1] - 1)
-                sampling_req_ids.append(req_id)
+                logits_rows.append(int(qsl_np[i + 1]) - 1)
+                sampling_req_ids.append(state.req_id)
 
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int32)
-        for i, req_id in enumerate(req_ids):
-            ids = self.requests[req_id].block_ids
-            block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(req_ids))]
+        # Per-token request index and position, then slots, all vectorised.
+        req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)  # [num_tokens]
+        positions_np = np.arange(num_tokens) - np.repeat(qsl_np[:-1] - computed_np, num_scheduled)
+        slots_np = (
+            block_table_np[req_of_token, positions_np // bs].astype(np.int64) * bs
+            + positions_np % bs
+        )  # [num_tokens]
+        qsl = qsl_np.tolist()
+        seq_lens = seq_lens_np.tolist()
         common = CommonAttentionMetadata(
-            num_reqs=len(req_ids),
-            num_actual_tokens=qsl[-1],
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(qsl_np.astype(np.int32)),
             query_start_loc_cpu=qsl,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)),
             seq_lens_cpu=seq_lens,
-            num_computed_tokens_cpu=computed,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_table=block_table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_computed_tokens_cpu=computed_np.tolist(),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            block_table=torch.from_numpy(block_table_np),
+            slot_mapping=torch.from_numpy(slots_np),
             block_size=bs,
         )
+        positions = positions_np
         input_ids = torch.tensor(token_ids, dtype=torch.int64)  # [num_tokens]
-        pos_tensor = torch.tensor(positions, dtype=torch.int64)  # [num_tokens]
+        pos_tensor = torch.from_numpy(positions)  # [num_tokens] int64
         ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, pos_tensor)  # [num_tokens, hidden_size]
@@ -240,7 +252,7 @@ class ModelRunner:
             out = self.sampler(step.logits, metadata)
             token_ids = out.sampled_token_ids.tolist()
             for state, token_id in zip(states, token_ids):
-                state.output_token_ids.append(token_id)
+                state.append_token(token_id)
                 sampled[req_id_to_index[state.req_id]] = [token_id]
             if out.logprobs_tensors is not None:
                 logprobs_lists = self._scatter_logprobs(

@@ -15,7 +15,7 @@ import time
 import torch
 
 from pagedinfer.attention.backend import AttentionBackend
-from pagedinfer.attention.cpu_sdpa import CpuSdpaBackend
+from pagedinfer.attention.cpu_sdpa import CpuPagedBackend, CpuSdpaBackend
 from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -30,6 +30,7 @@ __all__ = ["Worker", "resolve_dtype", "kv_cache_bytes_per_block"]
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch_ref": TorchRefBackend,
     "cpu_sdpa": CpuSdpaBackend,
+    "cpu_paged": CpuPagedBackend,
 }
 
 
@@ -69,15 +70,7 @@ class Worker:
         start = time.perf_counter()
         torch.manual_seed(self.config.model_config.seed)
         arch, state_dict = load_model_weights(self.config.model_config.model, self.dtype)
-        backend_name = self.config.model_config.attention_backend
-        if backend_name == "auto":
-            backend_name = "cpu_sdpa"
-        backend = _BACKENDS[backend_name](
-            arch.num_attention_heads,
-            arch.num_key_value_heads,
-            arch.head_dim,
-            arch.head_dim**-0.5,
-        )
+        backend = self._make_backend(arch)
         with torch.device("meta"):
             model = LlamaForCausalLM(arch, backend)
         model = model.to_empty(device="cpu").to(self.dtype)
@@ -88,7 +81,8 @@ class Worker:
         model.load_weights(state_dict)
         del state_dict
         max_rows = self.config.model_config.int4_max_tokens
-        if max_rows > 0:
+        # torch's int4 CPU kernel is fast with bf16 activations only (fp32: slower than dense).
+        if max_rows > 0 and self.dtype == torch.bfloat16:
             groups = load_int4_groups(self.config.model_config.model, arch)
             num_int4 = model.load_int4(groups, self.dtype, max_rows)
             if num_int4:
@@ -101,6 +95,17 @@ class Worker:
         self.arch, self.model, self.backend = arch, model, backend
         self.load_time_s = time.perf_counter() - start
         return arch
+
+    def _make_backend(self, arch: ModelArchConfig) -> AttentionBackend:
+        name = self.config.model_config.attention_backend
+        args = (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
+        scale = arch.head_dim**-0.5
+        if name == "auto":
+            try:
+                return CpuPagedBackend(*args, scale)
+            except RuntimeError:
+                return CpuSdpaBackend(*args, scale)
+        return _BACKENDS[name](*args, scale)
 
     def num_kv_blocks(self) -> int:
         assert self.arch is not None

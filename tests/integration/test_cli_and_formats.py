@@ -36,9 +36,7 @@ def test_cli_generate_prints_text() -> None:
 
 
 def test_cli_chat_streams_a_reply() -> None:
-    proc = _run(
-        ["chat", "--max-tokens", "16", *SMALL], stdin="What is the capital of France?\n\n"
-    )
+    proc = _run(["chat", "--max-tokens", "16", *SMALL], stdin="What is the capital of France?\n\n")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tok/s" in proc.stderr

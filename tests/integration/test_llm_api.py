@@ -187,8 +187,17 @@ def test_bad_input_raises_and_engine_keeps_serving(llm: LLM, prompt, params, mes
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -5}, {"max_tokens": 0},
-               {"min_p": 2.0}, {"presence_penalty": 3.0}, {"stop": [""]}, {"n": 0}]
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_k": -5},
+        {"max_tokens": 0},
+        {"min_p": 2.0},
+        {"presence_penalty": 3.0},
+        {"stop": [""]},
+        {"n": 0},
+    ],
 )
 def test_invalid_sampling_params(kwargs) -> None:
     with pytest.raises(ValueError):

@@ -68,15 +68,24 @@ def test_prompt_logprobs_match_transformers(tiny_dir, hf_model, engine_kwargs) -
 
 
 def test_greedy_generation_matches_transformers(tiny_dir, hf_model) -> None:
-    llm = LLM(tiny_dir, dtype="float32", kv_cache_memory_bytes=8 * 2**20, block_size=8,
-              max_num_batched_tokens=48)
+    llm = LLM(
+        tiny_dir,
+        dtype="float32",
+        kv_cache_memory_bytes=8 * 2**20,
+        block_size=8,
+        max_num_batched_tokens=48,
+    )
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for ids, out in zip(prompts, outs):
         with torch.inference_mode():
             gen = hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                pad_token_id=0,
             )
-        assert out.outputs[0].token_ids == gen[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == gen[0, len(ids) :].tolist()
