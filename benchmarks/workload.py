@@ -27,7 +27,7 @@ import os
 import random
 import statistics
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 DATA_DIR = os.environ.get("PAGEDINFER_DATA_DIR", "/work/shared/data")
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
@@ -47,7 +47,11 @@ def load_encoder(spec: str | None) -> Callable[[str], list[int]]:
         from pagedinfer.model.gguf import find_default_model
 
         spec = find_default_model()
-    tok = PagedTokenizer.from_gguf(spec) if spec.endswith(".gguf") else PagedTokenizer.from_hf_dir(spec)
+    tok = (
+        PagedTokenizer.from_gguf(spec)
+        if spec.endswith(".gguf")
+        else PagedTokenizer.from_hf_dir(spec)
+    )
     return tok.encode
 
 

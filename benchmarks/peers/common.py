@@ -3,7 +3,8 @@
 Each script measures the same four things on the same token ids (see benchmarks/workload.py):
   offline_output_tok_s  sum of requested output lengths / wall time (ignore_eos: every request
                         generates exactly its output_len)
-  prefill_512_tok_s     512 / time of (512-token prompt -> 1 output token), best of N after a warm-up
+  prefill_512_tok_s     512 / time of (512-token prompt -> 1 output token), best of N after
+                        a warm-up
   decode_b1_tok_s       (D - 1) / (time(D tokens) - time(1 token)) on the short decode prompt,
                         each time best of N after a warm-up: the decode phase alone
   peak_rss_mb           resource.getrusage maxrss of this process (+ children, reported apart)
@@ -18,13 +19,26 @@ import os
 import resource
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from workload import load as load_workload  # noqa: E402
+from workload import load as load_workload  # noqa: E402,F401  (re-exported)
 
 DEFAULT_WORK = os.environ.get("PEERS_WORK", "/opt/peers/work")
 DEFAULT_WORKLOAD = os.path.join(DEFAULT_WORK, "workload.json")
+
+
+_RESULT_FD: int | None = None
+
+
+def reserve_stdout() -> None:
+    """Keep stdout for the result line only: point fd 1 (this process, its C libraries and any
+    child processes, e.g. vLLM's engine core, which logs to stdout) at stderr from now on."""
+    global _RESULT_FD
+    if _RESULT_FD is None:
+        sys.stdout.flush()
+        _RESULT_FD = os.dup(1)
+        os.dup2(2, 1)
 
 
 def log(*args: object) -> None:
@@ -33,8 +47,12 @@ def log(*args: object) -> None:
 
 def base_parser(description: str, num_requests: int | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--workload", default=DEFAULT_WORKLOAD, help="file from benchmarks/workload.py")
-    parser.add_argument("--num-requests", type=int, default=num_requests, help="first N requests (default: all)")
+    parser.add_argument(
+        "--workload", default=DEFAULT_WORKLOAD, help="file from benchmarks/workload.py"
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=num_requests, help="first N requests (default: all)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="best of N for prefill/decode")
@@ -96,7 +114,9 @@ def emit(result: dict) -> None:
     )
     if children:
         result["peak_rss_children_mb"] = round(children, 1)
-    print(json.dumps(result), flush=True)
-
-
-__all__ = ["base_parser", "best_time", "emit", "load_workload", "log", "prefill_and_decode"]
+    line = json.dumps(result) + "\n"
+    if _RESULT_FD is None:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    else:
+        os.write(_RESULT_FD, line.encode())

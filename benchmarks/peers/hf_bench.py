@@ -1,10 +1,14 @@
 """Hugging Face transformers peer: the baseline everyone knows (and the fp32 correctness reference).
 
-Loads the GGUF directly (`from_pretrained(dir, gguf_file=...)`, dequantised to --dtype). Offline
-throughput follows vLLM's HF backend: requests in workload order are packed into batches of up to
---batch-size while max prompt + max output <= 2048; each batch is left-padded and generates the
-batch's largest output_len greedily with min_new_tokens = max_new_tokens (EOS cannot end it); the
-figure counts only the requested output lengths. Runs in the repo venv:
+Loads the GGUF directly (`from_pretrained(dir, gguf_file=...)`). transformers 5.2x keeps GGUF
+weights packed by default and, lacking its hub-published matmul kernel (none offline), unpacks
+them inside every forward; --gguf-weights dense (default) passes GgufConfig(dequantize=True) for
+a plain dense model in --dtype instead.
+
+Offline throughput follows vLLM's HF backend: requests in workload order are packed into batches
+of up to --batch-size while max prompt + max output <= 2048; each batch is left-padded and
+generates the batch's largest output_len greedily with min_new_tokens = max_new_tokens (EOS cannot
+end it); the figure counts only the requested output lengths. Runs in the repo venv:
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/peers/hf_bench.py --dtype bfloat16 \
         --batch-size 32 --workload /opt/peers/work/workload.json [--num-requests N]
@@ -19,8 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from common import base_parser, emit, load_workload, log, prefill_and_decode  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from common import base_parser, emit, load_workload, log, prefill_and_decode, reserve_stdout  # noqa: E402
+from transformers import AutoModelForCausalLM, GgufConfig  # noqa: E402
 
 
 def batches(requests: list[dict], batch_size: int, max_tokens: int = 2048) -> list[list[dict]]:
@@ -37,10 +41,14 @@ def batches(requests: list[dict], batch_size: int, max_tokens: int = 2048) -> li
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file (default: pagedinfer's default model)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file (default: pagedinfer's default model)"
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--gguf-weights", choices=["dense", "packed"], default="dense")
     args = parser.parse_args()
+    reserve_stdout()
     if args.model is None:
         from pagedinfer.model.gguf import find_default_model
 
@@ -51,13 +59,19 @@ def main() -> None:
 
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=getattr(torch, args.dtype)
+        os.path.dirname(args.model),
+        gguf_file=os.path.basename(args.model),
+        dtype=getattr(torch, args.dtype),
+        quantization_config=GgufConfig(dequantize=args.gguf_weights == "dense"),
     ).eval()
     load_s = time.perf_counter() - start
     pad_id = model.generation_config.pad_token_id
     if pad_id is None:
         pad_id = model.config.eos_token_id
-    log(f"loaded in {load_s:.1f}s, pad_token_id={pad_id}")
+    proj = model.model.layers[0].mlp.down_proj
+    log(
+        f"loaded in {load_s:.1f}s, pad_token_id={pad_id}, {type(proj).__name__} {proj.weight.dtype}"
+    )
 
     @torch.inference_mode()
     def generate_batch(prompts: list[list[int]], n: int) -> torch.Tensor:
@@ -65,8 +79,12 @@ def main() -> None:
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=pad_id,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad_id,
         )
         assert out.shape[1] == width + n, out.shape
         return out
@@ -79,7 +97,8 @@ def main() -> None:
         n = max(r["output_len"] for r in group)
         generate_batch([r["prompt_token_ids"] for r in group], n)
         generated += n * len(group)
-        log(f"batch {i + 1}/{len(groups)}: {len(group)} x {n} tokens, {time.perf_counter() - start:.1f}s")
+        elapsed = time.perf_counter() - start
+        log(f"batch {i + 1}/{len(groups)}: {len(group)} x {n} tokens, {elapsed:.1f}s")
     offline_s = time.perf_counter() - start
     requested = sum(r["output_len"] for r in requests)
 
@@ -88,6 +107,7 @@ def main() -> None:
         "dtype": args.dtype,
         "threads": args.threads,
         "batch_size": args.batch_size,
+        "gguf_weights": args.gguf_weights,
         "load_s": round(load_s, 2),
         "offline_output_tok_s": round(requested / offline_s, 1),
         "offline_num_requests": len(requests),
@@ -96,7 +116,9 @@ def main() -> None:
         "offline_s": round(offline_s, 2),
     }
     result.update(
-        prefill_and_decode(lambda p, n: generate_batch([p], n), workload, args.decode_tokens, args.repeats)
+        prefill_and_decode(
+            lambda p, n: generate_batch([p], n), workload, args.decode_tokens, args.repeats
+        )
     )
     emit(result)
 

@@ -167,21 +167,28 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named Llama weights in, fusing q/k/v and gate/up; every parameter must be
-        covered exactly once."""
+        """Install HF-named Llama weights, fusing q/k/v and gate/up; every parameter must be
+        covered exactly once.
+
+        The loaded tensors *become* the parameters (no copy into preallocated ones), and
+        `state_dict` is consumed as it goes, so peak memory stays near one copy of the
+        weights. The model may therefore be built on the meta device.
+        """
         expected = {name for name, _ in self.named_parameters()}
         loaded: set[str] = set()
 
         def put(name: str, tensor: torch.Tensor) -> None:
-            param = self.get_parameter(name)
+            module_name, _, attr = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            param = getattr(module, attr)
             if param.shape != tensor.shape:
                 raise ValueError(
                     f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
                 )
-            param.copy_(tensor)
+            setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
             loaded.add(name)
 
-        sd = dict(state_dict)
+        sd = state_dict
         put("embed_tokens.weight", sd.pop("model.embed_tokens.weight"))
         put("norm.weight", sd.pop("model.norm.weight"))
         if self.lm_head is not None:

@@ -71,13 +71,13 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
         arch, state_dict = load_model_weights(self.config.model_config.model, self.dtype)
         backend = self._make_backend(arch)
+        # Built on the meta device: load_weights installs the loaded tensors as parameters,
+        # so the weights exist once in memory, not twice.
         with torch.device("meta"):
             model = LlamaForCausalLM(arch, backend)
-        model = model.to_empty(device="cpu").to(self.dtype)
-        # Buffers (RoPE tables) do not survive to_empty(): rebuild them for real.
         model.rotary = type(model.rotary)(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta
-        )
+        )  # RoPE tables: real buffers, computed here
         model.load_weights(state_dict)
         del state_dict
         max_rows = self.config.model_config.int4_max_tokens
