@@ -40,8 +40,9 @@ class ModelConfig:
     """Steps with at most this many tokens run the GGUF file's own 4-bit matrices (Q4_0/Q4_1)
     through torch's int4 weight-only kernel: small-batch decode then reads ~4.5 bits per
     weight instead of 16. Larger steps use the dense weights (the kernel's cost grows with
-    the rows; it measured faster than dense bf16 up to ~4-6 rows). bfloat16 only: with
-    float32 activations the kernel is slower than dense float32. 0 disables."""
+    the rows; it measured faster than dense bf16 up to ~4-6 rows). Such steps also use a
+    per-row int8 copy of the LM head. bfloat16 only: with float32 activations the kernel is
+    slower than dense float32. 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
 

@@ -147,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta
         )
+        self._lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lm_head_int8_max_rows = 0
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -162,8 +164,27 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
+        if self._lm_head_int8 is not None and hidden.shape[0] <= self._lm_head_int8_max_rows:
+            q, scales = self._lm_head_int8
+            return torch.ops.aten._weight_int8pack_mm(hidden, q, scales).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def quantize_lm_head_int8(self, max_rows: int) -> None:
+        """Per-row int8 copy of the LM head for steps of <= max_rows rows (bf16 only).
+
+        At batch 1 the LM head (vocab x hidden) is the largest single read of a decode step;
+        torch's int8 weight-only kernel reads half the bytes of bf16 and measured ~2x
+        faster at 1-4 rows. Per-row scales add a rounding error of the same order as bf16's
+        own (the default GGUF stores this matrix as Q8_0 already).
+        """
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        w = weight.float()  # [vocab_size, hidden_size]
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [vocab_size]
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self._lm_head_int8 = (q, scales.to(weight.dtype))
+        self._lm_head_int8_max_rows = max_rows
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

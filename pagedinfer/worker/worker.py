@@ -85,6 +85,7 @@ class Worker:
         if max_rows > 0 and self.dtype == torch.bfloat16:
             groups = load_int4_groups(self.config.model_config.model, arch)
             num_int4 = model.load_int4(groups, self.dtype, max_rows)
+            model.quantize_lm_head_int8(max_rows)
             if num_int4:
                 logger.info(
                     "int4 weight-only path for steps of <= %d tokens on %d matrices.",
