@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
-    parser.add_argument("--int4-max-tokens", type=int, default=16)
+    parser.add_argument("--int4-max-tokens", type=int, default=None, help="engine default")
     args = parser.parse_args()
     workload = load_workload(args.workload, args.num_requests)
 
@@ -50,8 +50,8 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        int4_max_tokens=args.int4_max_tokens,
         max_model_len=4096,
+        **({} if args.int4_max_tokens is None else {"int4_max_tokens": args.int4_max_tokens}),
     )
     load_s = time.perf_counter() - start
     worker = llm.llm_engine.engine_core.executor.worker
