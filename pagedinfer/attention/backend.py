@@ -35,6 +35,7 @@ __all__ = [
     "get_forward_context",
     "set_forward_context",
     "write_kv_cache",
+    "flat_kv_cache",
 ]
 
 
@@ -93,13 +94,19 @@ class AttentionBackend(ABC):
         """
 
 
+def flat_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value caches of one layer viewed per slot: [num_slots, kv_heads, head_dim]."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    return kv_cache[0].view(-1, num_kv_heads, head_dim), kv_cache[1].view(
+        -1, num_kv_heads, head_dim
+    )
+
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter the new tokens' K/V into their cache slots."""
-    num_kv_heads, head_dim = key.shape[-2:]
-    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
-    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
     # Padding slots (-1) never occur in our batches (no CUDA-graph padding on CPU); callers
     # that pad must drop those rows first. index_copy_ raises on a negative index.
     key_cache.index_copy_(0, slot_mapping, key)

@@ -23,9 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedinfer.attention.backend import AttentionBackend, CommonAttentionMetadata, write_kv_cache
+from pagedinfer.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    flat_kv_cache,
+    write_kv_cache,
+)
 
-__all__ = ["CpuSdpaBackend", "CpuSdpaMetadata"]
+__all__ = ["CpuPagedBackend", "CpuSdpaBackend", "CpuSdpaMetadata"]
 
 
 @dataclass
@@ -68,6 +73,22 @@ class CpuSdpaMetadata:
     decode_groups: list[_DecodeGroup]
     chunks: list[_Chunk]
     paged_decodes: _PagedDecodes | None = None
+
+
+def _contiguous_start(rows: list[int]) -> int | None:
+    """`rows[0]` if rows are consecutive (slice instead of gather), else None."""
+    return rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
+
+
+def _take_rows(x: torch.Tensor, start: int | None, idx: torch.Tensor, n: int) -> torch.Tensor:
+    return x[start : start + n] if start is not None else x[idx]
+
+
+def _put_rows(out: torch.Tensor, start: int | None, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    if start is not None:
+        out[start : start + rows.shape[0]] = rows
+    else:
+        out[idx] = rows
 
 
 # A new decode group starts when a context is shorter than this fraction of the group's
@@ -142,14 +163,12 @@ class CpuSdpaBackend(AttentionBackend):
             blocks = torch.gather(common.block_table[group_reqs].long(), 1, block_idx)
             slots = torch.where(valid, blocks * bs + positions % bs, 0)
             mask = None if bool(valid.all()) else valid[:, None, None, :]
-            start = group_rows[0]
-            contiguous = group_rows == list(range(start, start + len(group_rows)))
             out.append(
                 _DecodeGroup(
                     token_idx=torch.tensor(group_rows),
                     slots=slots,
                     mask=mask,
-                    contiguous_start=start if contiguous else None,
+                    contiguous_start=_contiguous_start(group_rows),
                 )
             )
         return out
@@ -163,8 +182,7 @@ class CpuSdpaBackend(AttentionBackend):
         metadata: CpuSdpaMetadata,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
 
         for chunk in metadata.chunks:
@@ -187,22 +205,15 @@ class CpuSdpaBackend(AttentionBackend):
 
         for group in metadata.decode_groups:
             n = group.slots.shape[0]
-            start = group.contiguous_start
-            q = query[start : start + n] if start is not None else query[group.token_idx]
+            q = _take_rows(query, group.contiguous_start, group.token_idx, n)
             q = q.unsqueeze(2)  # [n, heads, 1, dim]
             k = key_cache[group.slots].transpose(1, 2)  # [n, kv_heads, seq, dim]
             v = value_cache[group.slots].transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True
             ).squeeze(2)  # [n, heads, dim]
-            if start is not None:
-                out[start : start + n] = o
-            else:
-                out[group.token_idx] = o
+            _put_rows(out, group.contiguous_start, group.token_idx, o)
         return out
-
-
-__all__ += ["CpuPagedBackend"]
 
 
 class CpuPagedBackend(CpuSdpaBackend):
@@ -219,20 +230,18 @@ class CpuPagedBackend(CpuSdpaBackend):
             raise RuntimeError("the paged attention kernel could not be built")
 
     def build(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
+        metadata = self._build(common, batch_decodes=False)
         qsl = common.query_start_loc_cpu
         decode_reqs = [r for r in range(common.num_reqs) if qsl[r + 1] - qsl[r] == 1]
-        if not decode_reqs:
-            return super().build(common)
-        metadata = self._build(common, batch_decodes=False)
-        rows = [qsl[r] for r in decode_reqs]
-        reqs = torch.tensor(decode_reqs)
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        metadata.paged_decodes = _PagedDecodes(
-            token_idx=torch.tensor(rows),
-            block_table=common.block_table[reqs].contiguous(),
-            seq_lens=common.seq_lens[reqs].to(torch.int32).contiguous(),
-            contiguous_start=rows[0] if contiguous else None,
-        )
+        if decode_reqs:
+            rows = [qsl[r] for r in decode_reqs]
+            reqs = torch.tensor(decode_reqs)
+            metadata.paged_decodes = _PagedDecodes(
+                token_idx=torch.tensor(rows),
+                block_table=common.block_table[reqs].contiguous(),
+                seq_lens=common.seq_lens[reqs].to(torch.int32).contiguous(),
+                contiguous_start=_contiguous_start(rows),
+            )
         return metadata
 
     def forward(
@@ -247,8 +256,7 @@ class CpuPagedBackend(CpuSdpaBackend):
         paged = metadata.paged_decodes
         if paged is not None:
             n = paged.seq_lens.shape[0]
-            start = paged.contiguous_start
-            q = query[start : start + n] if start is not None else query[paged.token_idx]
+            q = _take_rows(query, paged.contiguous_start, paged.token_idx, n)
             o = self.kernel.paged_decode_attention(
                 q.contiguous(),
                 kv_cache[0],
@@ -257,8 +265,5 @@ class CpuPagedBackend(CpuSdpaBackend):
                 paged.seq_lens,
                 self.scale,
             )  # [n, heads, dim]
-            if start is not None:
-                out[start : start + n] = o
-            else:
-                out[paged.token_idx] = o
+            _put_rows(out, paged.contiguous_start, paged.token_idx, o)
         return out

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedinfer.attention.backend import AttentionBackend, CommonAttentionMetadata, write_kv_cache
+from pagedinfer.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    flat_kv_cache,
+    write_kv_cache,
+)
 
 __all__ = ["TorchRefBackend", "context_slots"]
 
@@ -32,8 +37,7 @@ class TorchRefBackend(AttentionBackend):
         metadata: CommonAttentionMetadata,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
         group = self.num_heads // self.num_kv_heads
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         qsl = metadata.query_start_loc_cpu

@@ -12,8 +12,10 @@ import logging
 import time
 from collections.abc import Iterable
 
+import msgspec
+
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.messages import SchedulerStats
+from pagedinfer.core.messages import EngineCoreRequest, SchedulerStats
 from pagedinfer.engine.core import EngineCore
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.output_processor import OutputProcessor, ParentRequest
@@ -80,13 +82,21 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validate and queue one request; raises ValueError for bad input (nothing queued)."""
+        self._check_unused(request_id)
+        request, prompt_text = self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority
+        )
+        self.add_processed_request(request, prompt_text)
+
+    def _check_unused(self, request_id: str) -> None:
         if request_id in self.output_processor.request_states or (
             request_id in self.output_processor.parent_requests
         ):
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        request, prompt_text = self.input_processor.process(
-            request_id, prompt, params, arrival_time, priority
-        )
+
+    def add_processed_request(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
+        """Queue a request already built by `input_processor.process` (validated)."""
+        self._check_unused(request.request_id)
         self.stats.num_prompt_tokens += len(request.prompt_token_ids) * request.sampling_params.n
         if request.sampling_params.n == 1:
             self.output_processor.add_request(request, prompt_text)
@@ -94,17 +104,11 @@ class LLMEngine:
             return
         # n > 1: fan out into n independent child requests (they share nothing but the
         # prompt; prefix caching later lets them share its KV blocks).
-        parent = ParentRequest(request_id, request.sampling_params)
+        parent = ParentRequest(request.request_id, request.sampling_params)
         for index in range(parent.n):
             child_id, child_params = parent.get_child_info(index)
-            child = type(request)(
-                request_id=child_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=child_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
+            child = msgspec.structs.replace(
+                request, request_id=child_id, sampling_params=child_params
             )
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)

@@ -123,15 +123,14 @@ class LLM:
         engine = self.llm_engine
         # Offline runs only need the final output: skip per-step output objects.
         params = [_final_only(sp) for sp in params]
+        request_ids = [str(next(self._request_counter)) for _ in prompts]
+        # Validate (and tokenize) everything up front: a bad prompt queues nothing.
         processed = [
-            engine.input_processor.process("validate", p, sp) for p, sp in zip(prompts, params)
+            engine.input_processor.process(request_id, p, sp, priority=prio)
+            for request_id, p, sp, prio in zip(request_ids, prompts, params, priorities)
         ]
-        del processed  # validated everything up front: a bad prompt queues nothing
-        request_ids = []
-        for prompt, sp, prio in zip(prompts, params, priorities):
-            request_id = str(next(self._request_counter))
-            engine.add_request(request_id, prompt, sp, priority=prio)
-            request_ids.append(request_id)
+        for request, prompt_text in processed:
+            engine.add_processed_request(request, prompt_text)
 
         finished: dict[str, RequestOutput] = {}
         start = time.perf_counter()

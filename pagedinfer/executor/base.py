@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -14,24 +15,16 @@ from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 __all__ = ["Executor", "ModelInfo"]
 
 
+@dataclass(frozen=True)
 class ModelInfo:
     """What the engine needs to know about the loaded model (plain data)."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        max_position_embeddings: int,
-        num_kv_blocks: int,
-        dtype: str,
-        load_time_s: float,
-        kv_bytes_per_block: int,
-    ) -> None:
-        self.vocab_size = vocab_size
-        self.max_position_embeddings = max_position_embeddings
-        self.num_kv_blocks = num_kv_blocks
-        self.dtype = dtype
-        self.load_time_s = load_time_s
-        self.kv_bytes_per_block = kv_bytes_per_block
+    vocab_size: int
+    max_position_embeddings: int
+    num_kv_blocks: int
+    dtype: str
+    load_time_s: float
+    kv_bytes_per_block: int
 
 
 class Executor(ABC):

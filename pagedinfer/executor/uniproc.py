@@ -14,10 +14,9 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         # Imported here so that the engine package never imports worker code at module
         # level (the multi-process executor imports it only inside the child).
-        from pagedinfer.worker.worker import Worker, kv_cache_bytes_per_block
+        from pagedinfer.worker.worker import Worker
 
         self.worker = Worker(config)
-        self._bytes_per_block = kv_cache_bytes_per_block
 
     def load_model(self) -> ModelInfo:
         arch = self.worker.load_model()
@@ -27,9 +26,7 @@ class UniProcExecutor(Executor):
             num_kv_blocks=self.worker.num_kv_blocks(),
             dtype=str(self.worker.dtype).removeprefix("torch."),
             load_time_s=self.worker.load_time_s,
-            kv_bytes_per_block=self._bytes_per_block(
-                arch, self.config.cache_config.block_size, self.worker.dtype
-            ),
+            kv_bytes_per_block=self.worker.kv_bytes_per_block(),
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

@@ -198,7 +198,7 @@ class ModelRunner:
         logits = None
         if logits_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_rows)])
-        prompt_logprobs = self._prompt_logprobs(hidden, input_ids, prompt_lp_reqs)
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_reqs)
         for req_id in req_ids:
             self.requests[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
         self._step = _StepState(req_ids, sampling_req_ids, logits, prompt_logprobs)
@@ -207,7 +207,6 @@ class ModelRunner:
     def _prompt_logprobs(
         self,
         hidden: torch.Tensor,
-        input_ids: torch.Tensor,
         reqs: list[tuple[str, int, int]],
     ) -> dict[str, LogprobsLists | None]:
         """Accumulate prompt logprobs per chunk; emit them once the prompt is complete."""

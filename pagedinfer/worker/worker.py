@@ -108,12 +108,12 @@ class Worker:
                 return CpuSdpaBackend(*args, scale)
         return _BACKENDS[name](*args, scale)
 
-    def num_kv_blocks(self) -> int:
+    def kv_bytes_per_block(self) -> int:
         assert self.arch is not None
-        per_block = kv_cache_bytes_per_block(
-            self.arch, self.config.cache_config.block_size, self.dtype
-        )
-        return self.config.cache_config.kv_cache_memory_bytes // per_block
+        return kv_cache_bytes_per_block(self.arch, self.config.cache_config.block_size, self.dtype)
+
+    def num_kv_blocks(self) -> int:
+        return self.config.cache_config.kv_cache_memory_bytes // self.kv_bytes_per_block()
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.arch is not None and self.model is not None

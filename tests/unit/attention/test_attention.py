@@ -16,11 +16,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 96
 
 def _random_batch(rng: random.Random, dtype: torch.dtype):
     """Requests of three kinds: fresh prefills, chunks over a cached prefix, decodes."""
-    num_reqs = rng.randint(1, 6)
-    free_blocks = list(range(NUM_BLOCKS))
-    rng.shuffle(free_blocks)
-    query_lens, seq_lens, tables = [], [], []
-    for _ in range(num_reqs):
+    query_lens, seq_lens = [], []
+    for _ in range(rng.randint(1, 6)):
         kind = rng.choice(["prefill", "chunk", "decode"])
         if kind == "prefill":
             q = rng.randint(1, 20)
@@ -31,44 +28,9 @@ def _random_batch(rng: random.Random, dtype: torch.dtype):
         else:
             q = 1
             s = rng.randint(1, 30)
-        n_blocks = -(-s // BLOCK_SIZE)
-        tables.append([free_blocks.pop() for _ in range(n_blocks)])
         query_lens.append(q)
         seq_lens.append(s)
-    max_blocks = max(len(t) for t in tables)
-    block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-    for r, t in enumerate(tables):
-        block_table[r, : len(t)] = torch.tensor(t)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    slot_mapping = torch.cat(
-        [
-            context_slots(block_table[r], seq_lens[r], BLOCK_SIZE)[seq_lens[r] - query_lens[r] :]
-            for r in range(num_reqs)
-        ]
-    )
-    common = CommonAttentionMetadata(
-        num_reqs=num_reqs,
-        num_actual_tokens=qsl[-1],
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        query_start_loc_cpu=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        seq_lens_cpu=seq_lens,
-        num_computed_tokens_cpu=[s - q for s, q in zip(seq_lens, query_lens)],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table=block_table,
-        slot_mapping=slot_mapping,
-        block_size=BLOCK_SIZE,
-    )
-    n = qsl[-1]
-    q = torch.randn(n, NUM_HEADS, HEAD_DIM, dtype=dtype)
-    k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    # The cached prefix holds random data already (as if written by earlier steps).
-    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    return common, q, k, v, cache
+    return _batch_from(query_lens, seq_lens, dtype)
 
 
 @pytest.mark.parametrize("seed", range(25))
