@@ -35,7 +35,8 @@ class ModelConfig:
     """Attention implementation. "cpu_paged": SDPA for prefills plus a C++ kernel that reads
     the paged cache in place for decodes (compiled on first use); "cpu_sdpa": SDPA only;
     "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernel builds,
-    else cpu_sdpa."""
+    else cpu_sdpa. With cpu_paged, bfloat16 models also run their norms, RoPE and
+    SiLU-and-mul through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
     int4_max_tokens: int = Field(default=8, ge=0)
     """Steps with at most this many tokens run the GGUF file's own 4-bit matrices (Q4_0/Q4_1)
     through torch's int4 weight-only kernel: small-batch decode then reads ~4.5 bits per

@@ -10,7 +10,7 @@ The batch is split, once per step in `build()`, into three kinds of request:
   `is_causal=True`, no cache read at all;
 - prefill chunks over a cached prefix: gather the request's context, SDPA with a causal
   mask shifted by the cached length.
-When the C++ paged decode kernel (`kernels/paged_attention.py`) is available, decodes use it
+When the C++ paged decode kernel (`kernels/cpu.py`) is available, decodes use it
 instead: one call per layer that reads K/V in place through the block table, with no
 gathered copy (`CpuPagedBackend`, the default).
 Results equal `TorchRefBackend` within float tolerance (tests/unit/attention).
@@ -223,9 +223,9 @@ class CpuPagedBackend(CpuSdpaBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        from pagedinfer.kernels.paged_attention import load_paged_attention
+        from pagedinfer.kernels.cpu import load_cpu_kernels
 
-        self.kernel = load_paged_attention()
+        self.kernel = load_cpu_kernels()
         if self.kernel is None:
             raise RuntimeError("the paged attention kernel could not be built")
 

@@ -14,7 +14,7 @@ each at load time (`load_weights`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
         self.shape = (hidden_size,)
+        self.ops: Any = None  # C++ kernels for 16-bit activations (enable_fused_ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual), as vLLM's fused
+        add-and-norm. The fused kernel works in place on x and residual."""
+        if self.ops is not None:
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps)
+            self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             # As HF: normalise, then scale by the weight. The fused F.rms_norm is bitwise
             # equal to HF's pow/mean/rsqrt chain in float32 (greedy parity depends on it).
@@ -69,6 +85,23 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
+class Rope:
+    """One step's rotary inputs, shared by every layer: the positions, and the per-token
+    cos/sin rows gathered on first use (the torch path; the fused kernel reads the full
+    tables by position)."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        self.rotary = rotary
+        self.positions = positions
+        self.dtype = dtype
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            self._tables = self.rotary.tables(self.positions, self.dtype)
+        return self._tables
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_dim] (q and k heads may be stacked together)."""
     half = x.shape[-1] // 2
@@ -90,15 +123,24 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, hidden)
         self.backend = backend
+        self.ops: Any = None  # C++ kernels for 16-bit activations (enable_fused_ops)
+        self.rotary: RotaryEmbedding | None = None  # full tables, for the fused kernel
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        # Rotate q and k heads together: one set of elementwise ops instead of two.
-        qk = qkv[:, : self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        qk = apply_rotary(qk, cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
+        num_rotated = self.num_heads + self.num_kv_heads
+        if self.ops is not None:
+            # In place on the q and k heads of qkv, float32 tables indexed by position.
+            assert self.rotary is not None
+            self.ops.rotary_embedding(
+                qkv, rope.positions, self.rotary.cos, self.rotary.sin, num_rotated, self.head_dim
+            )
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_rotated, self.head_dim)
+        else:
+            # Rotate q and k heads together: one set of elementwise ops instead of two.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_rotated, self.head_dim)
+            qk = apply_rotary(qk, *rope.tables())  # [num_tokens, heads + kv_heads, head_dim]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
@@ -115,9 +157,12 @@ class LlamaMLP(nn.Module):
         # Fused [gate; up] rows.
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.ops: Any = None  # C++ kernels for 16-bit activations (enable_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -130,9 +175,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous layer's MLP output, the residual stream) -> the same for this layer;
+        the residual add is fused into the next norm (residual None: first layer)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,13 +209,28 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
 
+    def enable_fused_ops(self, ops: Any) -> None:
+        """Use the C++ layer kernels (`kernels/cpu.py`) for norms, RoPE and SiLU-and-mul.
+
+        For 16-bit activations only: float32 keeps torch's ops, whose results equal Hugging
+        Face's bit for bit (the greedy parity tests rely on it); the kernels compute in
+        float32 and round once, so in bf16 they differ from torch's op chain by rounding.
+        """
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                module.ops = ops
+            if isinstance(module, LlamaAttention):
+                module.rotary = self.rotary
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos, sin = self.rotary.tables(positions, hidden.dtype)
+        rope = Rope(self.rotary, positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""

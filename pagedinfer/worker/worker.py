@@ -92,6 +92,10 @@ class Worker:
                     max_rows,
                     num_int4,
                 )
+        if isinstance(backend, CpuPagedBackend) and self.dtype != torch.float32:
+            # The C++ build the paged backend uses also has the fused layer ops; float32
+            # keeps torch's ops (bitwise equal to Hugging Face, see LlamaForCausalLM).
+            model.enable_fused_ops(backend.kernel)
         model.eval()
         self.arch, self.model, self.backend = arch, model, backend
         self.load_time_s = time.perf_counter() - start

@@ -4,16 +4,172 @@
 // Layout: key_cache / value_cache [num_blocks, block_size, num_kv_heads, head_dim];
 // query [num_reqs, num_heads, head_dim]; block_table [num_reqs, max_blocks] int32;
 // seq_lens [num_reqs] int32. Returns [num_reqs, num_heads, head_dim] in the query's dtype.
+//
 // Work is split over (request, kv head) pairs; each pair handles its group of query heads
-// (GQA), with scores and accumulation in float32. Reference: attention/torch_ref.py.
+// (GQA) so every K/V row is read once for the whole group. Two passes over the context:
+// scores = q.k for every position (float32), a softmax per head, then out = sum p * v.
+// Blocks are walked in order (no division per token) and, where the CPU has AVX-512, each
+// K/V row is widened to float32 in registers (16 lanes at a time) -- the loop is bound by
+// reading the cache, so the row is loaded once and used by every head of the group.
+// Reference: attention/torch_ref.py (tests/unit/attention compare the two within 1e-4).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
+
+using pagedinfer::kVec;
+#if defined(__AVX512F__)
+using pagedinfer::load16;
+#endif
+
+// Scores, softmax and weighted sum for one (request, kv head) pair with a generic head_dim
+// (plain loops; gcc vectorises the inner products where it can).
+template <typename scalar_t>
+void scores_generic(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
+                    const int32_t* table, int64_t seq_len, int64_t block_size,
+                    int64_t row_stride, int64_t block_stride, float* scores) {
+  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, seq_len - start);
+    const scalar_t* kb = key_cache + static_cast<int64_t>(table[b]) * block_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* k = kb + i * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * head_dim;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(k[d]);
+        scores[g * seq_len + start + i] = s;
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void weighted_sum_generic(const float* scores, int64_t group, int64_t head_dim,
+                          const scalar_t* value_cache, const int32_t* table, int64_t seq_len,
+                          int64_t block_size, int64_t row_stride, int64_t block_stride,
+                          float* acc) {
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, seq_len - start);
+    const scalar_t* vb = value_cache + static_cast<int64_t>(table[b]) * block_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* v = vb + i * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * seq_len + start + i];
+        float* ag = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// r[i] = sum of the 16 lanes of rows[i], i < 16 (rows: 16 x 16 floats): a transpose-and-add
+// tree, 45 instructions for 16 sums instead of 16 horizontal reductions.
+inline __m512 sum_rows16(const float* rows) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // pairs, within 128-bit lanes
+    const __m512 x = _mm512_loadu_ps(rows + 32 * i), y = _mm512_loadu_ps(rows + 32 * i + 16);
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {  // quads: lane L of b[i] = partial sums of rows 4i..4i+3
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // across 128-bit lanes
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// head_dim = 16 * NV (64 -> NV = 4, 128 -> NV = 8). Each K row is widened once and used by
+// every head of the group; the 16 partial-sum vectors of a block are reduced together.
+template <int NV, typename scalar_t>
+void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size,
+                   int64_t row_stride, int64_t block_stride, float* partial, float* scores) {
+  constexpr int64_t D = 16 * NV;
+  for (int64_t start = 0, b = 0; start < seq_len; ++b) {
+    const scalar_t* kb = key_cache + static_cast<int64_t>(table[b]) * block_stride;
+    // Chunks of <= 16 positions within the block (block_size need not be 16).
+    for (int64_t off = 0; off < block_size && start < seq_len; off += 16) {
+      const int64_t n = std::min<int64_t>({16, block_size - off, seq_len - start});
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t* k = kb + (off + i) * row_stride;
+        __m512 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + g * D;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+          for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], s);
+          _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t g = 0; g < group; ++g)
+        _mm512_mask_storeu_ps(scores + g * seq_len + start, mask, sum_rows16(partial + g * 256));
+      start += n;
+    }
+  }
+}
+
+template <int NV, int G, typename scalar_t>
+void weighted_sum_avx512_fixed(const float* scores, const scalar_t* value_cache,
+                               const int32_t* table, int64_t seq_len, int64_t block_size,
+                               int64_t row_stride, int64_t block_stride, float* acc_out) {
+  // Accumulators for the whole group live in registers (G * NV <= 24).
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, seq_len - start);
+    const scalar_t* vb = value_cache + static_cast<int64_t>(table[b]) * block_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* v = vb + i * row_stride;
+      __m512 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * seq_len + start + i]);
+        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc_out + g * 16 * NV + 16 * j, acc[g][j]);
+}
+
+template <int NV, typename scalar_t>
+void weighted_sum_avx512(const float* scores, int64_t group, const scalar_t* value_cache,
+                         const int32_t* table, int64_t seq_len, int64_t block_size,
+                         int64_t row_stride, int64_t block_stride, float* acc) {
+  constexpr int64_t D = 16 * NV;
+  // Up to 4 heads per sweep keep their accumulators in registers; larger groups take
+  // several sweeps (each re-reads V, which is still cheap next to the score pass).
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, group - g0);
+    const float* s = scores + g0 * seq_len;
+    float* a = acc + g0 * D;
+    switch (gn) {
+      case 1: weighted_sum_avx512_fixed<NV, 1>(s, value_cache, table, seq_len, block_size, row_stride, block_stride, a); break;
+      case 2: weighted_sum_avx512_fixed<NV, 2>(s, value_cache, table, seq_len, block_size, row_stride, block_stride, a); break;
+      case 3: weighted_sum_avx512_fixed<NV, 3>(s, value_cache, table, seq_len, block_size, row_stride, block_stride, a); break;
+      default: weighted_sum_avx512_fixed<NV, 4>(s, value_cache, table, seq_len, block_size, row_stride, block_stride, a); break;
+    }
+  }
+}
+#endif
 
 template <typename scalar_t>
 void decode_kernel(const scalar_t* __restrict__ query, const scalar_t* __restrict__ key_cache,
@@ -22,59 +178,56 @@ void decode_kernel(const scalar_t* __restrict__ query, const scalar_t* __restric
                    int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;    // next position, same kv head
+  const int64_t block_stride = block_size * row_stride;  // next block
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim);
     std::vector<float> acc(group * head_dim);
     std::vector<float> scores;
+    std::vector<float> partial(group * 16 * 16);  // per-block partial dot products
     for (int64_t work = begin; work < end; ++work) {
       const int64_t r = work / num_kv_heads;
       const int64_t kvh = work % num_kv_heads;
       const int64_t seq_len = seq_lens[r];
       const int32_t* table = block_table + r * max_blocks;
+      const scalar_t* kc = key_cache + kvh * head_dim;
+      const scalar_t* vc = value_cache + kvh * head_dim;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* src = query + (r * num_heads + kvh * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
-      scores.assign(group * seq_len, 0.f);
-      // Pass 1: scores = q . k for every cached position.
-      for (int64_t t = 0; t < seq_len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* k = key_cache + (slot * num_kv_heads + kvh) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(k[d]);
-          scores[g * seq_len + t] = s;
-        }
+      if (static_cast<int64_t>(scores.size()) < group * seq_len) scores.resize(group * seq_len);
+      bool done = false;
+#if defined(__AVX512F__)
+      if constexpr (kVec<scalar_t>) {
+      if (head_dim == 64) {
+        scores_avx512<4>(q.data(), group, kc, table, seq_len, block_size, row_stride, block_stride, partial.data(), scores.data());
+        done = true;
+      } else if (head_dim == 128) {
+        scores_avx512<8>(q.data(), group, kc, table, seq_len, block_size, row_stride, block_stride, partial.data(), scores.data());
+        done = true;
       }
-      // Softmax per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * seq_len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < seq_len; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.f;
-        // Vectorised exp (libmvec) needs -fno-math-errno; see kernels/paged_attention.py.
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < seq_len; ++t) {
-          sg[t] = expf(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < seq_len; ++t) sg[t] *= inv;
       }
-      // Pass 2: out = sum_t p_t * v_t.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < seq_len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const scalar_t* v = value_cache + (slot * num_kv_heads + kvh) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * seq_len + t];
-          float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
-        }
+#endif
+      if (!done)
+        scores_generic(q.data(), group, head_dim, kc, table, seq_len, block_size, row_stride,
+                       block_stride, scores.data());
+      for (int64_t g = 0; g < group; ++g) pagedinfer::softmax_inplace(scores.data() + g * seq_len, seq_len);
+      done = false;
+#if defined(__AVX512F__)
+      if constexpr (kVec<scalar_t>) {
+      if (head_dim == 64) {
+        weighted_sum_avx512<4>(scores.data(), group, vc, table, seq_len, block_size, row_stride, block_stride, acc.data());
+        done = true;
+      } else if (head_dim == 128) {
+        weighted_sum_avx512<8>(scores.data(), group, vc, table, seq_len, block_size, row_stride, block_stride, acc.data());
+        done = true;
       }
+      }
+#endif
+      if (!done)
+        weighted_sum_generic(scores.data(), group, head_dim, vc, table, seq_len, block_size,
+                             row_stride, block_stride, acc.data());
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = out + (r * num_heads + kvh * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
@@ -93,11 +246,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
               "inputs must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_table and seq_lens must be int32");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              "query and cache dtypes differ");
   auto table = block_table.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(key_cache.size(3) == head_dim, "head_dim of query and cache differ");
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
@@ -107,8 +264,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                             static_cast<float>(scale));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
 }

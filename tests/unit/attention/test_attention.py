@@ -93,8 +93,18 @@ def test_reference_equals_dense_causal_attention() -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
-def _batch_from(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype = torch.float32):
+def _batch_from(
+    query_lens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype = torch.float32,
+    *,
+    num_heads: int = NUM_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    block_size: int = BLOCK_SIZE,
+):
     """Build a batch with the given per-request query/context lengths (blocks shuffled)."""
+    BLOCK_SIZE = block_size  # noqa: N806 (the module default, overridden)
     rng = random.Random(7)
     num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 4
     free_blocks = list(range(num_blocks))
@@ -127,10 +137,10 @@ def _batch_from(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype =
         block_size=BLOCK_SIZE,
     )
     n = qsl[-1]
-    q = torch.randn(n, NUM_HEADS, HEAD_DIM, dtype=dtype)
-    k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    q = torch.randn(n, num_heads, head_dim, dtype=dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
     return common, q, k, v, cache
 
 
@@ -161,11 +171,16 @@ def test_many_decodes_of_varied_lengths_grouped() -> None:
     torch.testing.assert_close(out_fast, out_ref, atol=1e-4, rtol=0)
 
 
-def _paged_backend(scale: float):
+def _paged_backend(
+    scale: float,
+    num_heads: int = NUM_HEADS,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
+):
     from pagedinfer.attention.cpu_sdpa import CpuPagedBackend
 
     try:
-        return CpuPagedBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+        return CpuPagedBackend(num_heads, num_kv_heads, head_dim, scale)
     except RuntimeError as exc:  # no C++ compiler here: the torch path is what runs
         pytest.skip(str(exc))
 
@@ -205,3 +220,43 @@ def test_paged_kernel_bf16() -> None:
     paged = _paged_backend(scale)
     out = paged.forward(q, k, v, cache.clone(), paged.build(common))
     torch.testing.assert_close(out.float(), out_ref.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (9, 3, 64, 16),  # SmolLM2-135M: the kernel's vectorised head_dim-64 path
+        (8, 2, 128, 16),  # Llama-style head_dim 128 (the other vectorised path)
+        (4, 1, 64, 32),  # blocks longer than the 16-position chunks
+        (10, 2, 64, 8),  # group of 5 heads: two sweeps of the weighted sum
+        (2, 2, 48, 16),  # head_dim without a vector path: the plain loops
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_paged_kernel_on_model_shapes(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """Decodes over contexts of 1..200 positions (partial last blocks, partial 16-position
+    chunks) equal the float32 reference on the same (rounded) inputs."""
+    rng = random.Random(head_dim + block_size)
+    torch.manual_seed(head_dim * block_size)
+    seq_lens = [1, 15, 16, 17, 33, 200] + [rng.randint(1, 200) for _ in range(6)]
+    query_lens = [1] * len(seq_lens)
+    shape = {
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+    }
+    common, q, k, v, cache = _batch_from(query_lens, seq_lens, dtype, **shape)
+    scale = head_dim**-0.5
+    ref = TorchRefBackend(num_heads, num_kv_heads, head_dim, scale)
+    out_ref = ref.forward(
+        q.float(), k.float(), v.float(), cache.float(), ref.build(common)
+    )  # float32 oracle on the same values
+    paged = _paged_backend(scale, num_heads, num_kv_heads, head_dim)
+    out = paged.forward(q, k, v, cache.clone(), paged.build(common))
+    assert out.dtype == dtype
+    # The kernel computes in float32 and rounds its output once.
+    atol = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), out_ref, atol=atol, rtol=0)

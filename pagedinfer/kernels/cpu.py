@@ -1,8 +1,12 @@
-"""Thin wrapper over the C++ paged decode-attention kernel (`csrc/paged_attention_cpu.cpp`).
+"""Loader of pagedinfer's C++ CPU kernels (one extension module built from `csrc/`):
+
+- `paged_decode_attention` (`csrc/paged_attention_cpu.cpp`), reference `attention/torch_ref.py`;
+- `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`
+  (`csrc/layer_ops_cpu.cpp`), used by the model for 16-bit activations.
 
 The extension is compiled on first use with the machine's C++ compiler (torch's
 `cpp_extension.load`, cached under ~/.cache/torch_extensions, so later processes load it in
-well under a second). If it cannot be built, `load_paged_attention()` returns None and the
+well under a second). If it cannot be built, `load_cpu_kernels()` returns None and the
 attention backend keeps its pure-torch path. Torch reference: `attention/torch_ref.py`.
 """
 
@@ -15,15 +19,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_paged_attention"]
+__all__ = ["load_cpu_kernels"]
 
 _lock = threading.Lock()
 _module: Any = None
 _failed = False
 
 
-def load_paged_attention() -> Any | None:
-    """The compiled extension module (with `paged_decode_attention`), or None."""
+def load_cpu_kernels() -> Any | None:
+    """The compiled extension module, or None when it cannot be built here."""
     global _module, _failed
     with _lock:
         if _module is not None or _failed:
@@ -31,16 +35,20 @@ def load_paged_attention() -> Any | None:
         try:
             from torch.utils import cpp_extension
 
-            src = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention_cpu.cpp")
+            csrc = os.path.join(os.path.dirname(__file__), "csrc")
             _module = cpp_extension.load(
-                name="pagedinfer_paged_attention_cpu",
-                sources=[src],
+                name="pagedinfer_cpu_kernels",
+                sources=[
+                    os.path.join(csrc, name)
+                    for name in ("module.cpp", "paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+                ],
+                extra_include_paths=[csrc],
                 # -fno-math-errno lets gcc vectorise expf through glibc's libmvec.
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, ...: keep the torch path
-            logger.warning("Paged attention kernel unavailable (%s); using the torch path.", exc)
+            logger.warning("CPU kernels unavailable (%s); using the torch paths.", exc)
             _failed = True
         return _module

@@ -1,0 +1,20 @@
+// Python bindings of pagedinfer's CPU kernels (one extension module, built by kernels/cpu.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_table,
+                                     torch::Tensor seq_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_embedding(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
+                      torch::Tensor sin, int64_t num_heads, int64_t head_dim);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside, one rounding");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "In place: residual = x + residual; x = rms_norm(residual)");
+  m.def("silu_and_mul", &silu_and_mul, "[rows, 2d] -> silu(gate) * up");
+  m.def("rotary_embedding", &rotary_embedding, "In-place rotate-half RoPE on the first heads");
+}
