@@ -3,6 +3,12 @@
 Public API only; everything else is internal.
 """
 
+from pagedinfer.platform import configure_matmul_caches
+
+configure_matmul_caches()  # before any matmul runs; see pagedinfer/platform.py
+
+# ruff: noqa: E402
+
 from pagedinfer.entrypoints.llm import LLM
 from pagedinfer.outputs import CompletionOutput, RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams

@@ -21,6 +21,7 @@ from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import ModelArchConfig, load_int4_groups, load_model_weights
+from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,16 @@ class Worker:
         self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
         self.load_time_s = 0.0
+        self.heap_trimmer = HeapTrimmer()
 
     def load_model(self) -> ModelArchConfig:
+        arch = self._load_model()
+        # Loading's temporaries died with _load_model's frame: hand their pages back before
+        # the KV cache is allocated, so the process peak stays weights + KV + overhead.
+        release_free_heap()
+        return arch
+
+    def _load_model(self) -> ModelArchConfig:
         start = time.perf_counter()
         torch.manual_seed(self.config.model_config.seed)
         arch, state_dict = load_model_weights(self.config.model_config.model, self.dtype)
@@ -132,6 +141,10 @@ class Worker:
         self.runner = ModelRunner(
             self.model, self.backend, kv_caches, bs, vocab_size=arch.vocab_size
         )
+        release_free_heap()  # loading's temporaries (~150 MB); see pagedinfer/platform.py
+
+    def _after_step(self) -> None:
+        self.heap_trimmer.maybe_trim()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None
@@ -139,4 +152,6 @@ class Worker:
 
     def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
         assert self.runner is not None
-        return self.runner.sample_tokens(grammar_output)
+        output = self.runner.sample_tokens(grammar_output)
+        self._after_step()
+        return output
