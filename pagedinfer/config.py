@@ -55,6 +55,13 @@ class CacheConfig:
     """Tokens per KV-cache block."""
     kv_cache_memory_bytes: int = Field(default=2 * 1024**3, ge=1)
     """Bytes of memory for the paged KV cache, all layers together (default 2 GiB)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of earlier prompts that share a prefix (whole blocks, matched by
+    chained hashes); outputs are the same as with it off."""
+    prefix_caching_hash_algo: Literal["sha256", "builtin"] = "sha256"
+    """Block hash: "sha256" (of the pickled block key) or "builtin" (Python's hash of ints,
+    faster, 64-bit). Both are reproducible across processes (root seeded by PYTHONHASHSEED,
+    else "0")."""
 
 
 @dataclass(config=_FROZEN)
@@ -72,10 +79,22 @@ class SchedulerConfig:
 
 
 @dataclass(config=_FROZEN)
+class ObservabilityConfig:
+    log_stats_interval_s: float = Field(default=5.0, ge=0)
+    """Seconds between the engine's stats log lines (throughput, running/waiting requests,
+    KV usage, prefix cache hit rate) while it has work; 0 turns them off."""
+    trace_path: str | None = None
+    """Write a JSON-lines record of every engine step here (tokens scheduled per request,
+    chunks, blocks stored/freed/evicted, prefix hits, preemptions); render it with
+    `pagedinfer trace FILE -o trace.html`."""
+
+
+@dataclass(config=_FROZEN)
 class EngineConfig:
     model_config: ModelConfig = Field(default_factory=ModelConfig)
     cache_config: CacheConfig = Field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    observability_config: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

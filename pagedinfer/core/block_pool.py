@@ -5,7 +5,8 @@ Invariants (checked by `BlockPool.check_integrity()` and the property tests):
 - ref counts never go below zero;
 - the free queue is ordered least-recently-freed first: `get_new_blocks` takes from the
   front, `free_blocks` appends at the back, so a request's blocks (freed tail first) are
-  evicted tail first;
+  evicted tail first; with caching on, freed blocks without a hash (nothing to hit) go to
+  the front instead, to be reused before any cached block (as vLLM's newer pools do);
 - a free block may still carry a hash and stay hittable by the prefix cache until it is
   handed out again (lazy eviction); only then is its hash dropped.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["KVCacheBlock", "FreeKVCacheBlockQueue", "BlockPool"]
 
@@ -80,6 +82,15 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free_block
+        assert first is not None
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        block.next_free_block = first
+        first.prev_free_block = block
+        self.num_free_blocks += 1
+
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         for block in blocks:
             self.append(block)
@@ -106,6 +117,8 @@ class BlockPool:
         # Block hash -> {block_id: block}. Equal blocks are not de-duplicated, so block
         # tables stay append-only and ids already handed to a worker never change.
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        # Optional observer of block events (core/trace.py's StepTracer).
+        self.tracer: Any = None
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -133,6 +146,8 @@ class BlockPool:
         assert block.block_hash is None, f"{block} is already cached"
         block.block_hash = block_hash
         self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+        if self.tracer is not None:
+            self.tracer.note_block_stored(block.block_id)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on (possibly free) cached blocks hit by a new request."""
@@ -143,13 +158,19 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero go to the back of the
-        free queue in the given order (callers pass a request's blocks tail first)."""
+        free queue in the given order (callers pass a request's blocks tail first), or,
+        with caching on and no hash to keep, to the front."""
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"Double free of {block}.")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if self.tracer is not None:
+                    self.tracer.note_block_freed(block.block_id)
+                if self.enable_caching and block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         block_hash = block.block_hash
@@ -161,6 +182,8 @@ class BlockPool:
             if not cached:
                 del self.cached_block_hash_to_block[block_hash]
         block.block_hash = None
+        if self.tracer is not None:
+            self.tracer.note_block_evicted(block.block_id)
         return True
 
     def reset_prefix_cache(self) -> bool:

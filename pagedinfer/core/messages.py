@@ -84,6 +84,14 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    """Preemptions since start."""
+    prefix_cache_requests: int = 0
+    """Requests looked up in the prefix cache during this step."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache during this step."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
+    prefix_cache_reset: bool = False
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from pagedinfer.core.messages import EngineCoreRequest, FinishReason
 from pagedinfer.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         cache_salt: str | None = None,
+        block_hasher: Callable[[Request], list[bytes]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -85,9 +87,19 @@ class Request:
         self.spec_token_ids: list[int] = []
         # True while the scheduled chunk does not reach the end of the known tokens.
         self.is_prefill_chunk = False
+        # Prefix caching: hashes of the full blocks of all_token_ids, kept up to date as
+        # tokens are appended (see core/kv_cache_utils.py).
+        self._block_hasher = block_hasher
+        self.block_hashes: list[bytes] = []
+        if block_hasher is not None:
+            self.block_hashes = block_hasher(self)
 
     @classmethod
-    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+    def from_engine_core_request(
+        cls,
+        request: EngineCoreRequest,
+        block_hasher: Callable[[Request], list[bytes]] | None = None,
+    ) -> Request:
         return cls(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -96,6 +108,7 @@ class Request:
             arrival_time=request.arrival_time,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            block_hasher=block_hasher,
         )
 
     @property
@@ -105,6 +118,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self._output_token_ids
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed: no cache hits (as vLLM)."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +141,8 @@ class Request:
             token_ids = [token_ids]
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -41,6 +41,7 @@ from pagedinfer.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedinfer.core.trace import StepTracer
 
 __all__ = ["Scheduler", "check_stop"]
 
@@ -61,6 +62,7 @@ class Scheduler:
             num_blocks=num_kv_blocks,
             block_size=cache_config.block_size,
             max_model_len=max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
@@ -68,6 +70,8 @@ class Scheduler:
         # Requests finished since the last schedule(); sent to workers so they drop state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # Optional step recorder (core/trace.py), set by the engine core.
+        self.tracer: StepTracer | None = None
 
     # ------------------------------------------------------------------ requests in/out
 
@@ -188,6 +192,7 @@ class Scheduler:
                 )
                 if new_blocks is None:
                     break
+                new_blocks_of[request.request_id] = new_blocks  # fresh ones; hits in "cached"
                 self.waiting.pop()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -226,8 +231,20 @@ class Scheduler:
         )
         # A new set, not .clear(): the output keeps a reference to the old one.
         self.finished_req_ids = set()
+        new_ids = {r.request_id for r in scheduled_new}
         for req_id, n in ordered.items():
             request = self.requests[req_id]
+            if self.tracer is not None:
+                is_new = req_id in new_ids
+                self.tracer.note_scheduled(
+                    req_id,
+                    start=request.num_computed_tokens,
+                    num_tokens=n,
+                    prompt_len=request.num_prompt_tokens,
+                    known=request.num_tokens,
+                    cached=request.num_computed_tokens if is_new else 0,
+                    new_blocks=[b.block_id for b in new_blocks_of.get(req_id, [])],
+                )
             request.num_computed_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
         return output
@@ -244,6 +261,8 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        if self.tracer is not None:
+            self.tracer.note_preempted(request.request_id)
         self.waiting.prepend(request)
 
     # ---------------------------------------------------------------------- outputs
@@ -297,12 +316,20 @@ class Scheduler:
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions_total,
+            prefix_cache_requests=prefix.requests if prefix else 0,
+            prefix_cache_queries=prefix.queries if prefix else 0,
+            prefix_cache_hits=prefix.hits if prefix else 0,
+            prefix_cache_reset=prefix.reset if prefix else False,
         )
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 
 from pagedinfer.config import EngineConfig
+from pagedinfer.core.kv_cache_utils import BlockHasher, get_hash_fn
 from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedinfer.core.request import Request, RequestStatus
 from pagedinfer.core.scheduler import Scheduler
+from pagedinfer.core.trace import StepTracer
 from pagedinfer.executor.base import Executor, ModelInfo
 
 logger = logging.getLogger("pagedinfer")
@@ -40,6 +42,18 @@ class EngineCore:
             num_kv_blocks=info.num_kv_blocks,
             max_model_len=self.max_model_len,
         )
+        cache_config = config.cache_config
+        self.block_hasher: BlockHasher | None = None
+        if cache_config.enable_prefix_caching:
+            self.block_hasher = BlockHasher(
+                block_size, get_hash_fn(cache_config.prefix_caching_hash_algo)
+            )
+        self.tracer: StepTracer | None = None
+        trace_path = config.observability_config.trace_path
+        if trace_path:
+            self.tracer = StepTracer(trace_path, block_size, info.num_kv_blocks)
+            self.scheduler.tracer = self.tracer
+            self.scheduler.kv_cache_manager.block_pool.tracer = self.tracer
         capacity_tokens = info.num_kv_blocks * block_size
         logger.info(
             "Model %s loaded in %.2f s (dtype %s, max_model_len %d).",
@@ -85,13 +99,17 @@ class EngineCore:
         return min(info.max_position_embeddings, capacity)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False while requests hold blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
@@ -101,7 +119,15 @@ class EngineCore:
         if runner_output is None:
             # Structured outputs will compute the grammar bitmask here, while a device runs.
             runner_output = self.executor.sample_tokens(None)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.tracer is not None:
+            self.tracer.end_step(
+                [o.request_id for o in outputs.outputs if o.finished],
+                self.scheduler.kv_cache_manager.usage,
+            )
+        return outputs
 
     def shutdown(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
         self.executor.shutdown()

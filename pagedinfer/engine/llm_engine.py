@@ -8,6 +8,7 @@ detokenizer are aborted in the core right away so their KV blocks are freed.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Iterable
@@ -31,9 +32,15 @@ __all__ = ["LLMEngine", "EngineStats"]
 
 
 class EngineStats:
-    """Counters since start (or since the last `reset()`), for logs and `LLM.get_stats()`."""
+    """Counters since start (or since the last `reset()`), for the periodic log line and
+    `LLM.get_stats()`. The prefix-cache hit rate is over the most recent ~1,000 looked-up
+    requests, as vLLM's; throughputs are since start (`as_dict`) or since the last log line
+    (`log_line`)."""
 
-    def __init__(self) -> None:
+    HIT_RATE_WINDOW_REQUESTS = 1000
+
+    def __init__(self, log_interval_s: float = 5.0) -> None:
+        self.log_interval_s = log_interval_s
         self.reset()
 
     def reset(self) -> None:
@@ -42,6 +49,32 @@ class EngineStats:
         self.num_generation_tokens = 0
         self.num_finished_requests = 0
         self.scheduler: SchedulerStats = SchedulerStats()
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        # (requests, queries, hits) per step, newest last, trimmed to the window.
+        self._recent: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._recent_requests = 0
+        self._last_log = (self.start_time, 0, 0)  # time, prompt tokens, generation tokens
+
+    def record_scheduler(self, stats: SchedulerStats) -> None:
+        self.scheduler = stats
+        if stats.prefix_cache_reset:
+            self._recent.clear()
+            self._recent_requests = 0
+        if stats.prefix_cache_requests:
+            self.prefix_cache_queries += stats.prefix_cache_queries
+            self.prefix_cache_hits += stats.prefix_cache_hits
+            self._recent.append(
+                (stats.prefix_cache_requests, stats.prefix_cache_queries, stats.prefix_cache_hits)
+            )
+            self._recent_requests += stats.prefix_cache_requests
+            while self._recent_requests > self.HIT_RATE_WINDOW_REQUESTS and len(self._recent) > 1:
+                self._recent_requests -= self._recent.popleft()[0]
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queries = sum(q for _, q, _ in self._recent)
+        return sum(h for _, _, h in self._recent) / queries if queries else 0.0
 
     def as_dict(self) -> dict[str, float]:
         elapsed = max(time.monotonic() - self.start_time, 1e-9)
@@ -50,6 +83,9 @@ class EngineStats:
             "num_waiting_reqs": self.scheduler.num_waiting_reqs,
             "kv_cache_usage": self.scheduler.kv_cache_usage,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "num_finished_requests": self.num_finished_requests,
@@ -57,6 +93,26 @@ class EngineStats:
             "prompt_throughput": self.num_prompt_tokens / elapsed,
             "generation_throughput": self.num_generation_tokens / elapsed,
         }
+
+    def log_line(self, now: float | None = None) -> str:
+        """vLLM-style summary since the previous call."""
+        now = time.monotonic() if now is None else now
+        last_time, last_prompt, last_gen = self._last_log
+        interval = max(now - last_time, 1e-9)
+        self._last_log = (now, self.num_prompt_tokens, self.num_generation_tokens)
+        s = self.scheduler
+        return (
+            f"Avg prompt throughput: {(self.num_prompt_tokens - last_prompt) / interval:.1f} "
+            f"tokens/s, Avg generation throughput: "
+            f"{(self.num_generation_tokens - last_gen) / interval:.1f} tokens/s, "
+            f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+            f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
+            f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%"
+        )
+
+    def maybe_log(self) -> None:
+        if 0 < self.log_interval_s <= time.monotonic() - self._last_log[0]:
+            logger.info(self.log_line())
 
 
 class LLMEngine:
@@ -71,7 +127,7 @@ class LLMEngine:
             self.tokenizer, self.engine_core.model_info.vocab_size, self.max_model_len
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
-        self.stats = EngineStats()
+        self.stats = EngineStats(config.observability_config.log_stats_interval_s)
 
     def add_request(
         self,
@@ -113,6 +169,10 @@ class LLMEngine:
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests run."""
+        return self.engine_core.reset_prefix_cache()
+
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -125,9 +185,10 @@ class LLMEngine:
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if outputs.scheduler_stats is not None:
-            self.stats.scheduler = outputs.scheduler_stats
+            self.stats.record_scheduler(outputs.scheduler_stats)
         self.stats.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs.outputs)
         self.stats.num_finished_requests += sum(1 for o in processed.request_outputs if o.finished)
+        self.stats.maybe_log()
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:

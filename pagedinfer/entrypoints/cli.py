@@ -1,25 +1,26 @@
 """The `pagedinfer` command line: `generate` (one-shot) and `chat` (interactive, streaming).
 
 Engine flags are generated from the config dataclasses: every field of `ModelConfig`,
-`CacheConfig` and `SchedulerConfig` becomes `--field-name`, with its docstring as help, so
-the CLI, the `LLM(...)` keyword options and the docs never drift apart.
+`CacheConfig`, `SchedulerConfig` and `ObservabilityConfig` becomes `--field-name`, with its
+docstring as help, so the CLI, the `LLM(...)` keyword options and the docs never drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import typing
 from typing import Any
 
-from pagedinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedinfer.config import CacheConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["main", "build_parser"]
 
-_ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
+_ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ObservabilityConfig)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +119,28 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="System prompt.")
     _add_sampling_args(chat, max_tokens=256)
     _add_engine_args(chat)
+
+    trace = sub.add_parser(
+        "trace", help="Render an engine trace (LLM(trace_path=...)) as an HTML timeline."
+    )
+    trace.add_argument("trace_file", help="The JSON-lines trace the engine wrote.")
+    trace.add_argument("-o", "--output", default="trace.html", help="HTML file to write.")
+    trace.add_argument("--title", default=None, help="Page title (default: the file name).")
     return parser
+
+
+def _cmd_trace(ns: argparse.Namespace) -> int:
+    from pagedinfer.core.trace import load_trace, render_html
+
+    try:
+        header, steps = load_trace(ns.trace_file)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with open(ns.output, "w", encoding="utf-8") as f:
+        f.write(render_html(header, steps, title=ns.title or os.path.basename(ns.trace_file)))
+    print(f"{len(steps)} steps -> {ns.output}", file=sys.stderr)
+    return 0
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -192,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "generate":
         return _cmd_generate(ns)
+    if ns.command == "trace":
+        return _cmd_trace(ns)
     return _cmd_chat(ns)
 
 

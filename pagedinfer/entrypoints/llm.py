@@ -19,7 +19,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedinfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedinfer.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+)
 from pagedinfer.engine.input_processor import PromptType
 from pagedinfer.engine.llm_engine import LLMEngine
 from pagedinfer.outputs import RequestOutput
@@ -34,6 +40,7 @@ _SECTIONS = (
     ("model_config", ModelConfig),
     ("cache_config", CacheConfig),
     ("scheduler_config", SchedulerConfig),
+    ("observability_config", ObservabilityConfig),
 )
 
 
@@ -108,6 +115,11 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (e.g. after changing weights); False while
+        requests are running."""
+        return self.llm_engine.reset_prefix_cache()
 
     def get_stats(self) -> dict[str, float]:
         """Scheduler and throughput figures since the engine started."""

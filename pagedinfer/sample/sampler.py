@@ -297,7 +297,8 @@ class Sampler(torch.nn.Module):
     def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Stages 2-5 (allowed ids, min_tokens, logit_bias, penalties) on a float32 copy of
         `logits`; when no stage applies, returns `logits` as float32 without copying it if it
-        already is (the caller must then not write to the result)."""
+        already is, or untouched in its own dtype for an all-greedy batch (argmax needs no
+        conversion); the caller must then not write to the result."""
         use_bias = any(bias for bias in metadata.logit_bias)
         needs_write = (
             metadata.allowed_token_ids_mask is not None
@@ -306,7 +307,7 @@ class Sampler(torch.nn.Module):
             or not metadata.no_penalties
         )
         if not needs_write:
-            return logits.to(torch.float32)
+            return logits if metadata.all_greedy else logits.to(torch.float32)
         if logits.dtype == torch.float32:
             logits = logits.clone()  # [num_reqs, vocab_size]
         else:

@@ -8,14 +8,11 @@ batching, chunked prefill and paged attention must not change results.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.conftest import MAX_NEW_TOKENS
 
-MAX_NEW_TOKENS = 64
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -23,54 +20,6 @@ def llm():
     from pagedinfer import LLM
 
     return LLM(dtype="float32", kv_cache_memory_bytes=512 * 2**20, max_model_len=2048)
-
-
-@pytest.fixture(scope="module")
-def prompts(llm, shared_dir) -> list[list[int]]:
-    tokenizer = llm.get_tokenizer()
-    with open(os.path.join(shared_dir, "data", "example_prompts.txt"), encoding="utf-8") as f:
-        short = [line.rstrip("\n") for line in f if line.strip()]
-    with open(os.path.join(shared_dir, "data", "sharegpt_v3_sample.json"), encoding="utf-8") as f:
-        rows = json.load(f)
-    long: list[list[int]] = []
-    for row in rows:
-        turns = row.get("conversations", [])
-        if not turns:
-            continue
-        ids = tokenizer.encode(turns[0]["value"])
-        if 300 < len(ids) <= 700:
-            long.append(ids)
-        if len(long) == 4:
-            break
-    assert len(short) == 8 and len(long) == 4
-    return [tokenizer.encode(p) for p in short] + long
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(prompts, default_gguf_path) -> list[list[int]]:
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_gguf_path),
-        gguf_file=os.path.basename(default_gguf_path),
-        dtype=torch.float32,
-    )
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            input_ids = torch.tensor([ids])
-            gen = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=model.config.eos_token_id,
-            )
-            outs.append(gen[0, len(ids) :].tolist())
-    return outs
 
 
 def _greedy():

@@ -8,12 +8,12 @@ its prompt. When everything has finished or been aborted, every block is free ag
 
 from __future__ import annotations
 
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedinfer.core.request import RequestStatus
-from tests.unit.core.utils import create_requests, create_scheduler, make_output
+from tests.unit.core.utils import create_requests, create_scheduler, make_hasher, make_output
 
 NUM_BLOCKS = 24
 BLOCK_SIZE = 4
@@ -58,6 +58,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         for req_id in so.preempted_req_ids:
             self.prefilled.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            # A prefix-cache hit counts as prefilled: the chunks add up to the rest.
+            if self.sched.requests[new.req_id].num_output_tokens == 0:
+                self.prefilled[new.req_id] = new.num_computed_tokens
+            if new.num_computed_tokens:
+                event("a request started from a prefix-cache hit")
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[req_id]
             if req.num_output_tokens == 0:
@@ -85,6 +91,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len({id(b) for b in held}) + kv.get_num_free_blocks() == NUM_BLOCKS
         for req_id in kv.req_to_blocks:
             assert req_id in self.sched.requests
+        # Each block's ref count is the number of requests holding it.
+        holders: dict[int, int] = {}
+        for blocks in kv.req_to_blocks.values():
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for b in kv.block_pool.blocks:
+            assert b.ref_cnt == holders.get(b.block_id, 0), b
 
     def teardown(self) -> None:
         # Run everything to completion (bounded): all blocks must come back.
@@ -102,8 +115,66 @@ class PrioritySchedulerMachine(SchedulerMachine):
     POLICY = "priority"
 
 
+class PrefixCachingMachine(SchedulerMachine):
+    """Requests built from a few shared prefixes, so hits, shared blocks, lazy eviction
+    and preemption of requests holding shared blocks all happen."""
+
+    BASES = [[k * 1000 + j for j in range(64)] for k in range(3)]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hasher = make_hasher(BLOCK_SIZE)
+
+    @rule(
+        base=st.integers(0, 2),
+        shared=st.integers(8, 48),
+        suffix=st.integers(0, 12),
+        max_tokens=st.integers(1, 10),
+        salt=st.sampled_from([None, None, "s"]),
+    )
+    def add_shared(
+        self, base: int, shared: int, suffix: int, max_tokens: int, salt: str | None
+    ) -> None:
+        prompt = self.BASES[base][:shared] + [5000 + self.next_id] * suffix
+        if not prompt:
+            prompt = [1]
+        (req,) = create_requests(
+            1,
+            start=self.next_id,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            block_hasher=self.hasher,
+            cache_salt=salt,
+        )
+        self.next_id += 1
+        self.sched.add_request(req)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        kv = self.sched.kv_cache_manager
+        in_use = kv.get_num_free_blocks() < NUM_BLOCKS
+        assert self.sched.reset_prefix_cache() is not in_use
+        if not in_use:
+            assert kv.block_pool.cached_block_hash_to_block == {}
+
+    @invariant()
+    def cached_blocks_hold_their_hash(self) -> None:
+        kv = self.sched.kv_cache_manager
+        for req_id, blocks in kv.req_to_blocks.items():
+            hashes = self.sched.requests[req_id].block_hashes
+            for i, b in enumerate(blocks[: kv.num_cached_block.get(req_id, 0)]):
+                assert b.block_hash == hashes[i], (req_id, i)
+
+    def teardown(self) -> None:
+        super().teardown()
+        assert self.sched.reset_prefix_cache()
+        assert self.sched.kv_cache_manager.block_pool.cached_block_hash_to_block == {}
+
+
 _SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
 SchedulerMachine.TestCase.settings = _SETTINGS
 PrioritySchedulerMachine.TestCase.settings = _SETTINGS
+PrefixCachingMachine.TestCase.settings = _SETTINGS
 TestSchedulerBlockAccountingFCFS = SchedulerMachine.TestCase
 TestSchedulerBlockAccountingPriority = PrioritySchedulerMachine.TestCase
+TestSchedulerBlockAccountingPrefixCaching = PrefixCachingMachine.TestCase

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pagedinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedinfer.config import CacheConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from pagedinfer.entrypoints.cli import build_parser
 from pagedinfer.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ def test_readme_opens_with_make_run_and_make_test() -> None:
 
 def test_every_engine_option_is_documented() -> None:
     readme = _readme()
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ObservabilityConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in readme, f.name
             if f.name != "model":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedinfer.config import CacheConfig, SchedulerConfig
+from pagedinfer.core.kv_cache_utils import BlockHasher, get_hash_fn
 from pagedinfer.core.request import Request
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.core.scheduler import Scheduler
@@ -20,6 +21,7 @@ def create_scheduler(
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
+    enable_prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -29,7 +31,7 @@ def create_scheduler(
             long_prefill_token_threshold=long_prefill_token_threshold,
             policy=policy,  # type: ignore[arg-type]
         ),
-        CacheConfig(block_size=block_size),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,
     )
@@ -40,22 +42,34 @@ def create_requests(
     num_tokens: int = 10,
     max_tokens: int = 16,
     start: int = 0,
+    prompt_token_ids: list[int] | None = None,
+    block_hasher: BlockHasher | None = None,
+    cache_salt: str | None = None,
     **params: object,
 ) -> list[Request]:
+    """Requests with prompt [100 + i] * num_tokens (or the given prompt); with a
+    block_hasher they take part in prefix caching."""
     out = []
     for i in range(start, start + num_requests):
         sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
         sp.update_from_eos((EOS,))
+        prompt = list(prompt_token_ids) if prompt_token_ids is not None else [100 + i] * num_tokens
         out.append(
             Request(
                 request_id=str(i),
-                prompt_token_ids=[100 + i] * num_tokens,
+                prompt_token_ids=prompt,
                 sampling_params=sp,
                 eos_token_id=EOS,
                 arrival_time=float(i),
+                cache_salt=cache_salt,
+                block_hasher=block_hasher,
             )
         )
     return out
+
+
+def make_hasher(block_size: int = 16, algo: str = "sha256") -> BlockHasher:
+    return BlockHasher(block_size, get_hash_fn(algo))
 
 
 def make_output(so: SchedulerOutput, scheduler: Scheduler, token: int = 7) -> ModelRunnerOutput:
