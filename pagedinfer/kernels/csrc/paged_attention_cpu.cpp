@@ -30,26 +30,34 @@ using pagedinfer::kVec;
 using pagedinfer::load16;
 #endif
 
-// Scores, softmax and weighted sum for one (request, kv head) pair with a generic head_dim
-// (plain loops; gcc vectorises the inner products where it can).
+// Calls row(t, ptr) for every cached position t < seq_len of one kv head, walking the
+// request's blocks in order (ptr: that position's head_dim values in the cache).
+template <typename scalar_t, typename F>
+void for_each_position(const scalar_t* cache, const int32_t* table, int64_t seq_len,
+                       int64_t block_size, int64_t row_stride, int64_t block_stride, F row) {
+  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, seq_len - start);
+    const scalar_t* base = cache + static_cast<int64_t>(table[b]) * block_stride;
+    for (int64_t i = 0; i < n; ++i) row(start + i, base + i * row_stride);
+  }
+}
+
+// Scores and weighted sum for one (request, kv head) pair with a generic head_dim (plain
+// loops; gcc vectorises the inner products where it can).
 template <typename scalar_t>
 void scores_generic(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
                     const int32_t* table, int64_t seq_len, int64_t block_size,
                     int64_t row_stride, int64_t block_stride, float* scores) {
-  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-    const int64_t n = std::min(block_size, seq_len - start);
-    const scalar_t* kb = key_cache + static_cast<int64_t>(table[b]) * block_stride;
-    for (int64_t i = 0; i < n; ++i) {
-      const scalar_t* k = kb + i * row_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
-        float s = 0.f;
+  for_each_position(key_cache, table, seq_len, block_size, row_stride, block_stride,
+                    [&](int64_t t, const scalar_t* k) {
+                      for (int64_t g = 0; g < group; ++g) {
+                        const float* qg = q + g * head_dim;
+                        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(k[d]);
-        scores[g * seq_len + start + i] = s;
-      }
-    }
-  }
+                        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(k[d]);
+                        scores[g * seq_len + t] = s;
+                      }
+                    });
 }
 
 template <typename scalar_t>
@@ -58,19 +66,15 @@ void weighted_sum_generic(const float* scores, int64_t group, int64_t head_dim,
                           int64_t block_size, int64_t row_stride, int64_t block_stride,
                           float* acc) {
   std::fill(acc, acc + group * head_dim, 0.f);
-  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
-    const int64_t n = std::min(block_size, seq_len - start);
-    const scalar_t* vb = value_cache + static_cast<int64_t>(table[b]) * block_stride;
-    for (int64_t i = 0; i < n; ++i) {
-      const scalar_t* v = vb + i * row_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * seq_len + start + i];
-        float* ag = acc + g * head_dim;
+  for_each_position(value_cache, table, seq_len, block_size, row_stride, block_stride,
+                    [&](int64_t t, const scalar_t* v) {
+                      for (int64_t g = 0; g < group; ++g) {
+                        const float p = scores[g * seq_len + t];
+                        float* ag = acc + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
-      }
-    }
-  }
+                        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
+                      }
+                    });
 }
 
 #if defined(__AVX512F__)
