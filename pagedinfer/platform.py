@@ -83,8 +83,10 @@ class HeapTrimmer:
         rss = _resident_bytes()
         if _LIBC is None or rss is None:
             return False
-        if self._limit is None or rss <= self._limit:
-            self._limit = self._limit or rss + self.growth_bytes
+        if self._limit is None:  # first call: the baseline
+            self._limit = rss + self.growth_bytes
+            return False
+        if rss <= self._limit:
             return False
         _LIBC.malloc_trim(0)
         self.num_trims += 1

@@ -231,23 +231,34 @@ class Scheduler:
         )
         # A new set, not .clear(): the output keeps a reference to the old one.
         self.finished_req_ids = set()
-        new_ids = {r.request_id for r in scheduled_new}
+        if self.tracer is not None:
+            self._trace_scheduled(self.tracer, ordered, scheduled_new, new_blocks_of)
         for req_id, n in ordered.items():
             request = self.requests[req_id]
-            if self.tracer is not None:
-                is_new = req_id in new_ids
-                self.tracer.note_scheduled(
-                    req_id,
-                    start=request.num_computed_tokens,
-                    num_tokens=n,
-                    prompt_len=request.num_prompt_tokens,
-                    known=request.num_tokens,
-                    cached=request.num_computed_tokens if is_new else 0,
-                    new_blocks=[b.block_id for b in new_blocks_of.get(req_id, [])],
-                )
             request.num_computed_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
         return output
+
+    def _trace_scheduled(
+        self,
+        tracer: StepTracer,
+        ordered: dict[str, int],
+        scheduled_new: list[Request],
+        new_blocks_of: dict[str, list[KVCacheBlock]],
+    ) -> None:
+        """Report the step's scheduled chunks (before num_computed_tokens advances)."""
+        new_ids = {r.request_id for r in scheduled_new}
+        for req_id, n in ordered.items():
+            request = self.requests[req_id]
+            tracer.note_scheduled(
+                req_id,
+                start=request.num_computed_tokens,
+                num_tokens=n,
+                prompt_len=request.num_prompt_tokens,
+                known=request.num_tokens,
+                cached=request.num_computed_tokens if req_id in new_ids else 0,
+                new_blocks=[b.block_id for b in new_blocks_of.get(req_id, [])],
+            )
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
