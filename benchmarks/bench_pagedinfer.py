@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
-    parser.add_argument("--int4-max-tokens", type=int, default=None, help="engine default")
+    parser.add_argument("--quant-max-tokens", type=int, default=None, help="engine default")
     args = parser.parse_args()
     workload = load_workload(args.workload, args.num_requests)
 
@@ -52,18 +52,15 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_model_len=4096,
-        **({} if args.int4_max_tokens is None else {"int4_max_tokens": args.int4_max_tokens}),
+        **({} if args.quant_max_tokens is None else {"quant_max_tokens": args.quant_max_tokens}),
     )
     load_s = time.perf_counter() - start
     worker = llm.llm_engine.engine_core.executor.worker
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
-    for module in worker.model.modules():
-        packed = getattr(module, "int4_weight", None)
-        if packed is not None:
-            weight_bytes += packed.numel() * packed.element_size()
-            weight_bytes += (
-                module.int4_scales_zeros.numel() * module.int4_scales_zeros.element_size()
-            )
+    # The quantised copies for small steps (model/quant.py) count as weights too.
+    quantized = [getattr(m, "quant", None) for m in worker.model.modules()]
+    quantized.append(worker.model.lm_head_quant)
+    weight_bytes += sum(q.nbytes for q in quantized if q is not None)
     kv_bytes = sum(t.numel() * t.element_size() for t in worker.runner.kv_caches)
     mib = 2**20
     log(f"loaded in {load_s:.2f} s; weights {weight_bytes / mib:.0f} MiB")

@@ -37,14 +37,15 @@ class ModelConfig:
     "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernel builds,
     else cpu_sdpa. With cpu_paged, bfloat16 models also run their norms, RoPE and
     SiLU-and-mul through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
-    int4_max_tokens: int = Field(default=8, ge=0)
-    """Steps with at most this many tokens run the GGUF file's own 4-bit matrices (Q4_0/Q4_1)
-    through torch's int4 weight-only kernel: small-batch decode then reads ~4.5 bits per
-    weight instead of 16. Larger steps use the dense weights (the kernel's cost grows with
-    the rows; in a real decode step, weights cold in cache, it beat dense bf16 up to ~8-16
-    rows: 8 decodes took 49 ms per step instead of 61). Such steps also use a
-    per-row int8 copy of the LM head. bfloat16 only: with float32 activations the kernel is
-    slower than dense float32. 0 disables."""
+    quant_max_tokens: int = Field(default=8, ge=0)
+    """Steps with at most this many tokens multiply by the GGUF file's own quantised
+    matrices (Q4_0/Q4_1/Q8_0, and a Q8_0 LM head) through pagedinfer's C++ kernels instead
+    of the dense weights: small-batch decode then reads 4.5-8.5 bits per weight instead of
+    16 or 32. The weights are exactly the file's; float32 activations stay float32 (results
+    equal the dense path's up to summation order), 16-bit ones are rounded to int8 per
+    group of 32 on CPUs with AVX512-VNNI (as llama.cpp does). Larger steps use the dense
+    weights, faster once the product is compute-bound. Needs the cpu_paged backend's C++
+    build; 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
 

@@ -40,7 +40,12 @@ def load_cpu_kernels() -> Any | None:
                 name="pagedinfer_cpu_kernels",
                 sources=[
                     os.path.join(csrc, name)
-                    for name in ("module.cpp", "paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+                    for name in (
+                        "module.cpp",
+                        "paged_attention_cpu.cpp",
+                        "layer_ops_cpu.cpp",
+                        "quant_linear_cpu.cpp",
+                    )
                 ],
                 extra_include_paths=[csrc],
                 # -fno-math-errno lets gcc vectorise expf through glibc's libmvec.

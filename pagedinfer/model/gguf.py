@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedinfer.model.quant import QuantBlocks
+
 __all__ = [
     "GGML_TYPE_NAMES",
     "GGUFFile",
@@ -424,39 +426,37 @@ class GGUFFile:
         flat = dequantize(np.asarray(raw), info.ggml_type, info.num_elements)  # [num_elements]
         return flat.reshape(info.shape)
 
-    def load_q4_groups(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The raw 4-bit codes of a Q4_0/Q4_1 matrix, without dequantising.
-
-        Returns `(codes, scale, zero)` with codes uint8 in [0, 15] of shape [rows, cols] and
-        scale/zero float32 of shape [rows, cols / 32], such that the weight is exactly
-        `(codes - 8) * scale + zero` per group of 32 columns (Q4_1: d*q + m = d*(q-8) + (m+8d);
-        Q4_0: d*(q-8)). This is the layout of torch's int4 weight-only CPU kernel, so the
-        GGUF's own 4-bit weights can be used as they are. None for any other tensor type.
-        """
+    def load_quant_blocks(self, name: str) -> QuantBlocks | None:
+        """A Q4_0, Q4_1 or Q8_0 matrix as its raw codes and per-group scales (and offsets),
+        without dequantising (see `model/quant.QuantBlocks`); None for any other type."""
         info = self.tensor_info(name)
         type_name = info.type_name
-        if type_name not in ("Q4_0", "Q4_1") or len(info.shape) != 2:
+        if type_name not in ("Q4_0", "Q4_1", "Q8_0") or len(info.shape) != 2:
             return None
         rows, cols = info.shape
+        groups = cols // 32
         raw = np.asarray(self._data[info.offset : info.offset + info.num_bytes])
+        if type_name == "Q8_0":
+            blk = _blocks(raw, [("d", _F16), ("qs", "i1", (32,))])
+            return QuantBlocks(
+                "Q8",
+                np.ascontiguousarray(blk["qs"]).reshape(rows, cols),
+                blk["d"].astype(np.float32).reshape(rows, groups),
+                None,
+            )
         fields: list[tuple[Any, ...]] = [("d", _F16)]
         if type_name == "Q4_1":
             fields.append(("m", _F16))
         fields.append(("qs", "u1", (16,)))
         blk = _blocks(raw, fields)
-        codes = np.empty((blk.shape[0], 32), dtype=np.uint8)  # [num_blocks, 32]
-        codes[:, :16] = blk["qs"] & 0x0F
-        codes[:, 16:] = blk["qs"] >> 4
         scale = blk["d"].astype(np.float32)  # [num_blocks]
-        if type_name == "Q4_1":
-            zero = blk["m"].astype(np.float32) + 8.0 * scale
-        else:
-            zero = np.zeros_like(scale)
-        groups = cols // 32
-        return (
-            codes.reshape(rows, cols),
+        # Q4_0 is d * (q - 8) = d * q + (-8 d); -8 d is exact in float32.
+        offset = blk["m"].astype(np.float32) if type_name == "Q4_1" else -8.0 * scale
+        return QuantBlocks(
+            "Q4",
+            np.ascontiguousarray(blk["qs"]).reshape(rows, cols // 2),
             scale.reshape(rows, groups),
-            zero.reshape(rows, groups),
+            offset.reshape(rows, groups),
         )
 
     def __contains__(self, name: object) -> bool:

@@ -22,10 +22,9 @@ from torch import nn
 
 from pagedinfer.attention.backend import AttentionBackend, get_forward_context
 from pagedinfer.model.linear import Linear
+from pagedinfer.model.quant import GROUP_SIZE, QuantBlocks, QuantizedWeight, quantize_q8_0
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from pagedinfer.model.loader import ModelArchConfig
 
 __all__ = ["LlamaForCausalLM"]
@@ -202,8 +201,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta
         )
-        self._lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._lm_head_int8_max_rows = 0
+        self.lm_head_quant: QuantizedWeight | None = None
+        self.lm_head_quant_max_rows = 0
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -239,9 +238,8 @@ class LlamaForCausalLM(nn.Module):
         they are (exact: the conversion is monotone), and the sampler converts when it
         needs float32 (temperature, penalties, logprobs); at 200 rows the copy is 39 MB.
         """
-        if self._lm_head_int8 is not None and hidden.shape[0] <= self._lm_head_int8_max_rows:
-            q, scales = self._lm_head_int8
-            return torch.ops.aten._weight_int8pack_mm(hidden, q, scales)
+        if self.lm_head_quant is not None and hidden.shape[0] <= self.lm_head_quant_max_rows:
+            return self.lm_head_quant(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
@@ -250,22 +248,6 @@ class LlamaForCausalLM(nn.Module):
         """oneDNN-blocked dense weights for every projection (`Linear.prepack`); returns
         how many were packed."""
         return sum(m.prepack(batch_hint) for m in self.modules() if isinstance(m, Linear))
-
-    @torch.no_grad()
-    def quantize_lm_head_int8(self, max_rows: int) -> None:
-        """Per-row int8 copy of the LM head for steps of <= max_rows rows (bf16 only).
-
-        At batch 1 the LM head (vocab x hidden) is the largest single read of a decode step;
-        torch's int8 weight-only kernel reads half the bytes of bf16 and measured ~2x
-        faster at 1-4 rows. Per-row scales add a rounding error of the same order as bf16's
-        own (the default GGUF stores this matrix as Q8_0 already).
-        """
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        w = weight.float()  # [vocab_size, hidden_size]
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [vocab_size]
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self._lm_head_int8 = (q, scales.to(weight.dtype))
-        self._lm_head_int8_max_rows = max_rows
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -318,16 +300,21 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"Missing weights: {sorted(missing)[:5]}")
 
-    def load_int4(
+    def load_quantized(
         self,
-        groups: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
-        dtype: torch.dtype,
+        blocks: dict[str, QuantBlocks],
+        kernels: Any,
         max_rows: int,
+        quantize_lm_head: bool,
     ) -> int:
-        """Attach the GGUF's 4-bit codes to every fused layer whose parts all have them.
-        Returns the number of layers that got an int4 path."""
-        import numpy as np
+        """Give steps of <= max_rows rows the file's own quantised matrices (`model/quant`).
 
+        A fused projection (qkv, gate_up) gets them when all its parts are stored in one
+        format. The LM head uses the file's Q8_0/Q4 copy of its matrix (tied: the
+        embedding's), else, if `quantize_lm_head`, a Q8_0 quantisation of the dense one (at
+        batch 1 the LM head is the largest single read of a step; float32 models keep their
+        exact weights). Returns the number of matrices given a quantised path.
+        """
         count = 0
         fused = {
             "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -338,11 +325,20 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             for target, parts in fused.items():
                 names = [f"model.layers.{i}.{p}.weight" for p in parts]
-                if not all(n in groups for n in names):
+                if not all(n in blocks for n in names):
                     continue
-                codes, scale, zero = (
-                    np.concatenate([groups[n][j] for n in names], axis=0) for j in range(3)
-                )
-                layer.get_submodule(target).set_int4(codes, scale, zero, dtype, max_rows)
-                count += 1
+                joined = QuantBlocks.concat([blocks[n] for n in names])
+                if joined is not None:
+                    quant = QuantizedWeight(joined, kernels)
+                    layer.get_submodule(target).set_quant(quant, max_rows)
+                    count += 1
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head_blocks = blocks.get(head_name)
+        if head_blocks is None and quantize_lm_head and head.shape[1] % GROUP_SIZE == 0:
+            head_blocks = quantize_q8_0(head)
+        if head_blocks is not None:
+            self.lm_head_quant = QuantizedWeight(head_blocks, kernels)
+            self.lm_head_quant_max_rows = max_rows
+            count += 1
         return count

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pagedinfer.model.gguf import GGUFFile, find_default_model
+from pagedinfer.model.quant import QuantBlocks
 
 __all__ = [
     "ModelArchConfig",
@@ -214,20 +215,20 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelArchConfig, dict[str
     return config, weights
 
 
-def load_int4_groups(
+def load_quant_blocks(
     path: str | os.PathLike[str] | None, config: ModelArchConfig
-) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """HF-named `(codes, scale, zero)` of every 4-bit GGUF matrix (see
-    `GGUFFile.load_q4_groups`), with llama.cpp's Q/K row permutation undone like the dense
-    weights. Empty for HF directories and for GGUF files without Q4_0/Q4_1 tensors."""
+) -> dict[str, QuantBlocks]:
+    """HF-named raw blocks of every Q4_0/Q4_1/Q8_0 GGUF matrix (`GGUFFile.load_quant_blocks`),
+    with llama.cpp's Q/K row permutation undone like the dense weights. Empty for HF
+    directories and for GGUF files without such tensors."""
     resolved = _resolve(path)
     if not _is_gguf(resolved):
         return {}
     gguf = GGUFFile(resolved)
-    out: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    out: dict[str, QuantBlocks] = {}
     for name in gguf.tensor_names:
-        groups = gguf.load_q4_groups(name)
-        if groups is None:
+        blocks = gguf.load_quant_blocks(name)
+        if blocks is None:
             continue
         hf_name = _gguf_to_hf_name(name)
         heads = None
@@ -237,8 +238,9 @@ def load_int4_groups(
             heads = config.num_key_value_heads
         if heads is not None:
             # A row permutation: applies to codes and per-row group scales alike.
-            groups = tuple(_undo_rope_permutation(a, heads) for a in groups)  # type: ignore[assignment]
-        out[hf_name] = groups
+            order = _undo_rope_permutation(np.arange(blocks.rows)[:, None], heads)[:, 0]
+            blocks = blocks.take_rows(order)
+        out[hf_name] = blocks
     return out
 
 

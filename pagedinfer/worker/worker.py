@@ -20,7 +20,7 @@ from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.model.llama import LlamaForCausalLM
-from pagedinfer.model.loader import ModelArchConfig, load_int4_groups, load_model_weights
+from pagedinfer.model.loader import ModelArchConfig, load_model_weights, load_quant_blocks
 from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.worker.model_runner import ModelRunner
 
@@ -95,18 +95,22 @@ class Worker:
         )  # RoPE tables: real buffers, computed here
         model.load_weights(state_dict)
         del state_dict
-        max_rows = self.config.model_config.int4_max_tokens
-        # torch's int4 CPU kernel is fast with bf16 activations only (fp32: slower than dense).
-        if max_rows > 0 and self.dtype == torch.bfloat16:
-            groups = load_int4_groups(self.config.model_config.model, arch)
-            num_int4 = model.load_int4(groups, self.dtype, max_rows)
-            model.quantize_lm_head_int8(max_rows)
-            if num_int4:
-                logger.info(
-                    "int4 weight-only path for steps of <= %d tokens on %d matrices.",
-                    max_rows,
-                    num_int4,
-                )
+        max_rows = self.config.model_config.quant_max_tokens
+        if max_rows > 0 and isinstance(backend, CpuPagedBackend):
+            blocks = load_quant_blocks(self.config.model_config.model, arch)
+            num_quant = model.load_quantized(
+                blocks, backend.kernel, max_rows, quantize_lm_head=self.dtype != torch.float32
+            )
+            logger.info(
+                "Quantised weights (the file's own blocks) for steps of <= %d tokens on %d "
+                "matrices%s.",
+                max_rows,
+                num_quant,
+                " (int8 activations, VNNI)"
+                if self.dtype != torch.float32
+                and backend.kernel.quant_linear_uses_int8_activations()
+                else "",
+            )
         if self.dtype == torch.bfloat16:
             # oneDNN's own weight layout, once, instead of a reorder in every matmul.
             model.prepack_dense_weights(PREPACK_BATCH_HINT)

@@ -57,7 +57,7 @@ def test_hf_directory_gives_the_same_greedy_tokens(tmp_path, default_gguf_path) 
     params = SamplingParams(temperature=0.0, max_tokens=16)
     prompt = "The capital of France is"
     # Dense weights on both sides (an HF directory has no 4-bit codes).
-    gguf = LLM(int4_max_tokens=0, **kwargs).generate(prompt, params, use_tqdm=False)[0]
+    gguf = LLM(quant_max_tokens=0, **kwargs).generate(prompt, params, use_tqdm=False)[0]
     hf = LLM(hf_dir, **kwargs).generate(prompt, params, use_tqdm=False)[0]
     assert hf.prompt_token_ids == gguf.prompt_token_ids
     assert hf.outputs[0].token_ids == gguf.outputs[0].token_ids

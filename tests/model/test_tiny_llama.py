@@ -91,12 +91,13 @@ def test_greedy_generation_matches_transformers(tiny_dir, hf_model) -> None:
         assert out.outputs[0].token_ids == gen[0, len(ids) :].tolist()
 
 
-def test_int8_lm_head_close_to_dense_in_bf16(tiny_dir) -> None:
-    """Small bf16 steps use a per-row int8 LM head; it must stay close to the dense one
-    (same argmax on most rows, small relative error) and large steps stay dense."""
+def test_q8_lm_head_close_to_dense_in_bf16(tiny_dir) -> None:
+    """Small bf16 steps of an HF-directory model use a Q8_0 quantisation of the LM head; it
+    must stay close to the dense one (same argmax on most rows, small relative error) and
+    large steps stay dense."""
     llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory_bytes=8 * 2**20)
     model = llm.llm_engine.engine_core.executor.worker.model
-    assert model._lm_head_int8 is not None
+    assert model.lm_head_quant is not None and model.lm_head_quant.kind == "Q8"
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 64, generator=g).to(torch.bfloat16)  # 4 rows: int8 path
     dense = torch.nn.functional.linear(hidden, model.embed_tokens.weight).float()

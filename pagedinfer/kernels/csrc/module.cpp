@@ -9,6 +9,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
                       torch::Tensor sin, int64_t num_heads, int64_t head_dim);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
+                           int64_t out_features);
+bool quant_linear_uses_int8_activations();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -17,4 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "In place: residual = x + residual; x = rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "[rows, 2d] -> silu(gate) * up");
   m.def("rotary_embedding", &rotary_embedding, "In-place rotate-half RoPE on the first heads");
+  m.def("quant_linear", &quant_linear, "x @ W.T, W in packed Q4/Q8 blocks (model/quant.py)");
+  m.def("quant_linear_uses_int8_activations", &quant_linear_uses_int8_activations,
+        "Whether 16-bit activations are quantised to int8 (AVX512-VNNI) in quant_linear");
 }
