@@ -45,6 +45,7 @@ def load_cpu_kernels() -> Any | None:
                         "paged_attention_cpu.cpp",
                         "layer_ops_cpu.cpp",
                         "quant_linear_cpu.cpp",
+                        "sample_ops_cpu.cpp",
                     )
                 ],
                 extra_include_paths=[csrc],

@@ -91,7 +91,9 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_num_logprobs = max_num_logprobs
-        self.sampler = Sampler()
+        # The paged backend's C++ build also has a fast row-wise argmax for the sampler.
+        kernels = getattr(backend, "kernel", None)
+        self.sampler = Sampler(argmax=None if kernels is None else kernels.argmax_rows)
         self.requests: dict[str, CachedRequestState] = {}
         self._step: _StepState | None = None
 

@@ -12,6 +12,7 @@ void rotary_embedding(torch::Tensor x, torch::Tensor positions, torch::Tensor co
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
                            int64_t out_features);
 bool quant_linear_uses_int8_activations();
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -23,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T, W in packed Q4/Q8 blocks (model/quant.py)");
   m.def("quant_linear_uses_int8_activations", &quant_linear_uses_int8_activations,
         "Whether 16-bit activations are quantised to int8 (AVX512-VNNI) in quant_linear");
+  m.def("argmax_rows", &argmax_rows, "Row-wise argmax, torch's semantics (first max, NaN wins)");
 }

@@ -449,3 +449,46 @@ def test_prompt_logprobs() -> None:
     ]
     assert lp.selected_token_ranks.tolist() == expected_ranks
     assert math.isclose(float(lp.logprobs[0, 1]), float(raw[0].max()), rel_tol=1e-6)
+
+
+# ---- the C++ row-wise argmax (used when the paged backend's kernels are built) ----------
+
+
+def _argmax_kernel():
+    from pagedinfer.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("C++ kernels not buildable here")
+    return kernels.argmax_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 15, 16, 49152 + 7])
+def test_argmax_kernel_matches_torch(dtype: torch.dtype, width: int) -> None:
+    argmax = _argmax_kernel()
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width, generator=g).to(dtype)
+    x[1] = 0.5  # all ties: the first index
+    if width > 20:
+        x[2, 3] = x[2, 19] = 100.0  # tie across vector lanes/chunks
+        x[3, width - 1] = 100.0  # maximum in the scalar tail
+        x[4, 7], x[4, 18] = float("nan"), float("nan")  # NaN wins, the first one
+    x[5] = float("-inf")
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    view = torch.randn(3, width + 5, generator=g).to(dtype)[:, 2 : 2 + width]  # row stride
+    assert torch.equal(argmax(view), view.argmax(dim=-1))
+
+
+def test_sampler_with_the_argmax_kernel_samples_the_same_tokens() -> None:
+    argmax = _argmax_kernel()
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    temps = [0.0, 0.7, 1.0, 0.0, 1.3]
+    outs = []
+    for sampler in (Sampler(), Sampler(argmax=argmax)):
+        gens = {i: torch.Generator().manual_seed(10 + i) for i in range(5)}
+        meta = make_metadata(5, temperature=temps, top_k=[0, 50, 0, 0, 20], generators=gens)
+        outs.append(sampler(logits, meta).sampled_token_ids)
+    assert torch.equal(outs[0], outs[1])
+    greedy = make_metadata(5)
+    assert torch.equal(Sampler(argmax=argmax)(logits, greedy).sampled_token_ids, logits.argmax(-1))
