@@ -35,8 +35,8 @@ class ModelConfig:
     """Attention implementation. "cpu_paged": SDPA for prefills plus a C++ kernel that reads
     the paged cache in place for decodes (compiled on first use); "cpu_sdpa": SDPA only;
     "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernel builds,
-    else cpu_sdpa. With cpu_paged, bfloat16 models also run their norms, RoPE and
-    SiLU-and-mul through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
+    else cpu_sdpa. With cpu_paged, models also run their norms, RoPE and SiLU-and-mul
+    through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
     quant_max_tokens: int = Field(default=8, ge=0)
     """Steps with at most this many tokens multiply by the GGUF file's own quantised
     matrices (Q4_0/Q4_1/Q8_0, and a Q8_0 LM head) through pagedinfer's C++ kernels instead

@@ -2,7 +2,9 @@
 
 - `paged_decode_attention` (`csrc/paged_attention_cpu.cpp`), reference `attention/torch_ref.py`;
 - `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`
-  (`csrc/layer_ops_cpu.cpp`), used by the model for 16-bit activations.
+  (`csrc/layer_ops_cpu.cpp`), the model's fused layer ops;
+- `quant_linear` (`csrc/quant_linear_cpu.cpp`), products with the file's Q4/Q8 blocks;
+- `argmax_rows` (`csrc/sample_ops_cpu.cpp`), the sampler's row-wise argmax.
 
 The extension is compiled on first use with the machine's C++ compiler (torch's
 `cpp_extension.load`, cached under ~/.cache/torch_extensions, so later processes load it in

@@ -114,9 +114,8 @@ class Worker:
         if self.dtype == torch.bfloat16:
             # oneDNN's own weight layout, once, instead of a reorder in every matmul.
             model.prepack_dense_weights(PREPACK_BATCH_HINT)
-        if isinstance(backend, CpuPagedBackend) and self.dtype != torch.float32:
-            # The C++ build the paged backend uses also has the fused layer ops; float32
-            # keeps torch's ops (bitwise equal to Hugging Face, see LlamaForCausalLM).
+        if isinstance(backend, CpuPagedBackend):
+            # The C++ build the paged backend uses also has the fused layer ops.
             model.enable_fused_ops(backend.kernel)
         model.eval()
         self.arch, self.model, self.backend = arch, model, backend

@@ -1,11 +1,11 @@
-// Fused elementwise ops of a Llama layer for 16-bit activations on CPU: RMSNorm, residual
+// Fused elementwise ops of a Llama layer on CPU: RMSNorm, residual
 // add + RMSNorm, SiLU-and-mul and in-place rotary embedding.
 //
 // At batch 1 a decode step is ~40 tiny ops per layer, each costing more in dispatch than in
 // arithmetic; these replace ~25 of them with 4 calls. Every op widens to float32, computes in
 // float32 and rounds once to the activation dtype (torch's chain of bf16 ops rounds after
-// each op, so results differ from it by bf16 rounding, never more). float32 models keep
-// torch's ops (bitwise parity with Hugging Face depends on them); see model/llama.py.
+// each op, so results differ from it by bf16 rounding, never more; in float32 they differ by
+// summation order). See model/llama.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
