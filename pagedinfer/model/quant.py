@@ -139,4 +139,5 @@ class QuantizedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in_features] -> [rows, out_features] in x's dtype."""
-        return self._kernels.quant_linear(x.contiguous(), self.packed, self._format, self.out_features)
+        x = x.contiguous()
+        return self._kernels.quant_linear(x, self.packed, self._format, self.out_features)
