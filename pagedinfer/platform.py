@@ -15,10 +15,6 @@
   benchmark ~330 MB of free heap piled up during the prefill-heavy first steps.
   `HeapTrimmer` reads the resident set after each step (/proc/self/statm, microseconds)
   and trims when it grew by 64 MB since the last trim.
-- The KV cache: `zeros_huge_pages` backs it with 2 MB pages where the kernel's transparent
-  huge pages are on request ("madvise" mode, as here): offline throughput 416-428 ->
-  436-438 tok/s (200 requests, alternated runs), the decode kernel's reads of blocks
-  scattered over the pool no longer miss the TLB at nearly every block.
 """
 
 from __future__ import annotations
@@ -28,11 +24,9 @@ import ctypes.util
 import logging
 import os
 
-import torch
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["configure_matmul_caches", "release_free_heap", "HeapTrimmer", "zeros_huge_pages"]
+__all__ = ["configure_matmul_caches", "release_free_heap", "HeapTrimmer"]
 
 MATMUL_CACHE_CAPACITY = 16
 
@@ -59,7 +53,6 @@ def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(name)
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.mallinfo2.restype = _MallInfo2
     except (OSError, AttributeError):  # not glibc >= 2.33 (musl, macOS): nothing to do
         return None
@@ -73,30 +66,6 @@ def release_free_heap() -> None:
     """Return freed heap pages to the OS (glibc's malloc_trim); a no-op elsewhere."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
-
-
-_MADV_HUGEPAGE = 14  # linux/mman.h
-_HUGE_PAGE = 2 << 20
-
-
-def zeros_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype), asking Linux to back it with 2 MB pages
-    (madvise(MADV_HUGEPAGE) before the first write; transparent huge pages are often in
-    "madvise" mode, so large buffers otherwise get 4 KB pages).
-
-    For the KV cache: requests' blocks are scattered over the whole pool (with prefix
-    caching on, the LRU free queue hands out every block in turn), so with 4 KB pages
-    almost every block read misses the TLB. A no-op where madvise is unavailable.
-    """
-    tensor = torch.empty(shape, dtype=dtype)
-    if _LIBC is not None and hasattr(_LIBC, "madvise"):
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        first = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-        last = end // _HUGE_PAGE * _HUGE_PAGE
-        if last > first:
-            _LIBC.madvise(first, last - first, _MADV_HUGEPAGE)  # advisory: ignore failure
-    return tensor.zero_()
 
 
 class HeapTrimmer:

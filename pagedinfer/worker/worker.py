@@ -21,7 +21,7 @@ from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import ModelArchConfig, load_model_weights, load_quant_blocks
-from pagedinfer.platform import HeapTrimmer, release_free_heap, zeros_huge_pages
+from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -145,8 +145,8 @@ class Worker:
         arch, bs = self.arch, self.config.cache_config.block_size
         # Zero-filled, so a padded gather never reads NaN garbage from an unwritten slot.
         kv_caches = [
-            zeros_huge_pages(
-                (2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim), self.dtype
+            torch.zeros(
+                2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim, dtype=self.dtype
             )  # [2, num_blocks, block_size, num_kv_heads, head_dim]
             for _ in range(arch.num_hidden_layers)
         ]

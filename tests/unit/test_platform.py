@@ -54,37 +54,3 @@ def test_heap_trimmer_returns_fragmented_heap_to_the_system() -> None:
     first, trimmed, again, num_trims, released_mb = out
     assert (first, trimmed, again, num_trims) == ("False", "True", "False", "1")
     assert int(released_mb) > 100
-
-
-def _thp_mode() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text[text.index("[") + 1 : text.index("]")]
-
-
-_HUGE_SCENARIO = """
-import torch
-from pagedinfer import platform
-def huge_kb():
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("AnonHugePages:"))
-before = huge_kb()
-t = platform.zeros_huge_pages((4, 16, 1 << 20), torch.bfloat16)  # 128 MiB
-assert t.shape == (4, 16, 1 << 20) and t.dtype == torch.bfloat16 and not t.any()
-print(huge_kb() - before)
-"""
-
-
-def test_zeros_huge_pages_gives_zeros_on_huge_pages() -> None:
-    """A fresh process (its heap state must not depend on other tests); where transparent
-    huge pages are available on request, most of a 128 MiB buffer lands on them."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _HUGE_SCENARIO], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    if _thp_mode() not in ("always", "madvise") or not os.path.exists("/proc/self/smaps_rollup"):
-        pytest.skip("no transparent huge pages here")
-    assert int(proc.stdout.strip()) >= 100 * 1024  # kB: at least 100 of the 128 MiB
