@@ -242,8 +242,12 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.lm_head_quant is not None and hidden.shape[0] <= self.lm_head_quant_max_rows:
             return self.lm_head_quant(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.lm_head_weight)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab_size, hidden_size]: the embedding's matrix when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
     def prepack_dense_weights(self, batch_hint: int) -> int:
@@ -335,10 +339,9 @@ class LlamaForCausalLM(nn.Module):
                     layer.get_submodule(target).set_quant(quant, max_rows)
                     count += 1
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         head_blocks = blocks.get(head_name)
-        if head_blocks is None and quantize_lm_head and head.shape[1] % GROUP_SIZE == 0:
-            head_blocks = quantize_q8_0(head)
+        if head_blocks is None and quantize_lm_head and self.config.hidden_size % GROUP_SIZE == 0:
+            head_blocks = quantize_q8_0(self.lm_head_weight)
         if head_blocks is not None:
             self.lm_head_quant = QuantizedWeight(head_blocks, kernels)
             self.lm_head_quant_max_rows = max_rows

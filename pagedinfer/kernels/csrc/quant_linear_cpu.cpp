@@ -70,6 +70,12 @@ struct Record {
     return reinterpret_cast<const uint16_t*>(rec + kCodeBytes);
   }
   static const uint16_t* offset(const uint8_t* rec) { return scale(rec) + kLanes; }
+  // Record g of a feature block's run, asking for the bytes kPrefetchBytes ahead of it.
+  static const uint8_t* fetch(const uint8_t* recs, int64_t g) {
+    const uint8_t* rec = recs + g * kBytes;
+    for (int64_t l = 0; l < kBytes; l += 64) __builtin_prefetch(rec + kPrefetchBytes + l, 0, 3);
+    return rec;
+  }
 };
 
 inline int64_t record_bytes(Format f) {
@@ -118,9 +124,7 @@ void block_float(const Activations& a, int64_t r0, const uint8_t* recs, float (*
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* rec = recs + g * Rec::kBytes;
-    for (int64_t l = 0; l < Rec::kBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchBytes + l), _MM_HINT_T0);
+    const uint8_t* rec = Rec::fetch(recs, g);
     __m512 t0[R], t1[R];  // two chains: low and high inputs (Q4) / even and odd vectors (Q8)
     for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm512_setzero_ps();
     for (int64_t j = 0; j < Rec::kVectors; ++j) {
@@ -195,9 +199,7 @@ void block_vnni(const Activations& a, int64_t r0, const uint8_t* recs, float (*a
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* rec = recs + g * Rec::kBytes;
-    for (int64_t l = 0; l < Rec::kBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchBytes + l), _MM_HINT_T0);
+    const uint8_t* rec = Rec::fetch(recs, g);
     // Unsigned code bytes (vpdpbusd's first operand is unsigned): Q4 nibbles as they are,
     // Q8 codes + 128 (xor of the sign bit), corrected below with 128 * sum(x codes).
     __m512i c[8];
