@@ -165,20 +165,27 @@ def no_sharing(repeats: int, workload_path: str, num_requests: int) -> dict:
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for llm in llms.values():
         llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
-    for _ in range(repeats):
-        for key, llm in llms.items():  # alternate, so drift hits both
+    for rep in range(repeats):
+        # Alternate, and flip the order every round (on-off, off-on, ...), so that the
+        # machine's drift (~25% within an hour here) falls on both sides evenly.
+        order = ["on", "off"] if rep % 2 == 0 else ["off", "on"]
+        for key in order:
+            llm = llms[key]
             llm.reset_prefix_cache()
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             rates[key].append(num_out / (time.perf_counter() - start))
             log(f"no-sharing caching {key}: {rates[key][-1]:.1f} out tok/s")
     on, off = max(rates["on"]), max(rates["off"])
+    round_ratios = sorted(a / b for a, b in zip(rates["on"], rates["off"]))
     return {
         "bench": "no-sharing",
         "requests": len(reqs),
         "out_tok_s_on": round(on, 1),
         "out_tok_s_off": round(off, 1),
         "ratio_on_over_off": round(on / off, 3),
+        "round_ratios": [round(r, 3) for r in round_ratios],
+        "median_round_ratio": round(round_ratios[len(round_ratios) // 2], 3),
     }
 
 

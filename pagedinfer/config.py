@@ -32,11 +32,12 @@ class ModelConfig:
     seed: int = 0
     """Seed of the global random generator (for requests without their own seed)."""
     attention_backend: Literal["auto", "torch_ref", "cpu_sdpa", "cpu_paged"] = "auto"
-    """Attention implementation. "cpu_paged": SDPA for prefills plus a C++ kernel that reads
-    the paged cache in place for decodes (compiled on first use); "cpu_sdpa": SDPA only;
-    "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernel builds,
-    else cpu_sdpa. With cpu_paged, models also run their norms, RoPE and SiLU-and-mul
-    through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
+    """Attention implementation. "cpu_paged": C++ kernels that read the paged cache in
+    place (compiled on first use): one for decodes, and for bfloat16 models on CPUs with
+    AMX one for prefills and prefill chunks (elsewhere those use SDPA); "cpu_sdpa": SDPA
+    only; "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernels
+    build, else cpu_sdpa. With cpu_paged, models also run their norms, RoPE and
+    SiLU-and-mul through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
     quant_max_tokens: int = Field(default=8, ge=0)
     """Steps with at most this many tokens multiply by the GGUF file's own quantised
     matrices (Q4_0/Q4_1/Q8_0, and a Q8_0 LM head) through pagedinfer's C++ kernels instead

@@ -1,6 +1,8 @@
 """Loader of pagedinfer's C++ CPU kernels (one extension module built from `csrc/`):
 
 - `paged_decode_attention` (`csrc/paged_attention_cpu.cpp`), reference `attention/torch_ref.py`;
+- `paged_prefill_attention` (`csrc/prefill_attention_cpu.cpp`, bfloat16 on AMX tiles, where
+  `prefill_attention_available()`), prefills and chunks over a cached prefix;
 - `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`
   (`csrc/layer_ops_cpu.cpp`), the model's fused layer ops;
 - `quant_linear` (`csrc/quant_linear_cpu.cpp`), products with the file's Q4/Q8 blocks;
@@ -45,6 +47,7 @@ def load_cpu_kernels() -> Any | None:
                     for name in (
                         "module.cpp",
                         "paged_attention_cpu.cpp",
+                        "prefill_attention_cpu.cpp",
                         "layer_ops_cpu.cpp",
                         "quant_linear_cpu.cpp",
                         "sample_ops_cpu.cpp",

@@ -13,6 +13,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format
                            int64_t out_features);
 bool quant_linear_uses_int8_activations();
 torch::Tensor argmax_rows(torch::Tensor x);
+bool prefill_attention_available();
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table,
+                             torch::Tensor q_start, torch::Tensor q_end, torch::Tensor seq_lens,
+                             double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
@@ -24,5 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T, W in packed Q4/Q8 blocks (model/quant.py)");
   m.def("quant_linear_uses_int8_activations", &quant_linear_uses_int8_activations,
         "Whether 16-bit activations are quantised to int8 (AVX512-VNNI) in quant_linear");
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "Whether paged_prefill_attention can run here (AMX-BF16 built in and permitted)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal attention of prefill rows over their paged context, AMX bf16 (writes out)");
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax, torch's semantics (first max, NaN wins)");
 }
