@@ -8,6 +8,10 @@
                   chunked prefill off (the whole prompt in one step).
   no-sharing      the cost of prefix caching when nothing is shared: offline throughput on
                   the ShareGPT workload (distinct prompts), on vs off, alternated.
+  no-sharing-steps  the same workload on two engines (on, off) in one process, stepped
+                  alternately (one step of each in turn, identical batches), so that drift
+                  hits both equally; totals per engine part. --build-order says which
+                  engine is built first (that one ran 4-37% slower whatever its flag).
 
     .venv/bin/python benchmarks/bench_prefix_chunked.py [--only shared-prefix] [--repeats 2]
 
@@ -17,6 +21,7 @@ Prints one JSON line per benchmark (stdout); timings go to stderr.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -158,24 +163,25 @@ def no_sharing(repeats: int, workload_path: str, num_requests: int) -> dict:
         SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in reqs
     ]
     num_out = sum(r["output_len"] for r in reqs)
-    llms = {
-        "on": LLM(enable_prefix_caching=True, max_model_len=4096, log_stats_interval_s=0),
-        "off": LLM(enable_prefix_caching=False, max_model_len=4096, log_stats_interval_s=0),
-    }
     rates: dict[str, list[float]] = {"on": [], "off": []}
-    for llm in llms.values():
-        llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     for rep in range(repeats):
-        # Alternate, and flip the order every round (on-off, off-on, ...), so that the
-        # machine's drift (~25% within an hour here) falls on both sides evenly.
+        # One engine alive at a time, built afresh for each run: with two engines in one
+        # process, whichever was built first ran 4-37% slower on identical batches (stepped
+        # alternately, either flag; a placement effect, not prefix caching). Alternate,
+        # flipping the order every round, so the machine's drift (~25% within an hour
+        # here) falls on both sides evenly.
         order = ["on", "off"] if rep % 2 == 0 else ["off", "on"]
         for key in order:
-            llm = llms[key]
+            llm = LLM(enable_prefix_caching=key == "on", max_model_len=4096, log_stats_interval_s=0)
+            llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
             llm.reset_prefix_cache()
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             rates[key].append(num_out / (time.perf_counter() - start))
             log(f"no-sharing caching {key}: {rates[key][-1]:.1f} out tok/s")
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
     on, off = max(rates["on"]), max(rates["off"])
     round_ratios = sorted(a / b for a, b in zip(rates["on"], rates["off"]))
     return {
@@ -189,13 +195,86 @@ def no_sharing(repeats: int, workload_path: str, num_requests: int) -> dict:
     }
 
 
+def no_sharing_steps(workload_path: str, num_requests: int, build_order: str) -> dict:
+    import collections
+
+    from pagedinfer import SamplingParams
+
+    reqs = load_workload(workload_path, num_requests)["requests"]
+    keys = ["on", "off"] if build_order == "on-first" else ["off", "on"]
+    engines = {key: _engine(enable_prefix_caching=key == "on") for key in keys}
+    parts: dict[str, dict[str, float]] = {key: collections.defaultdict(float) for key in keys}
+
+    def timed(f, acc: dict[str, float], name: str):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                acc[name] += time.perf_counter() - start
+
+        return wrapper
+
+    for key, engine in engines.items():
+        core = engine.engine_core
+        for obj, name in [
+            (core.scheduler, "schedule"),
+            (core.scheduler, "update_from_output"),
+            (core.executor, "execute_model"),
+            (core.executor, "sample_tokens"),
+        ]:
+            setattr(obj, name, timed(getattr(obj, name), parts[key], name))
+
+    def add(engine, prefix: str, batch: list[dict]) -> None:
+        for i, r in enumerate(batch):
+            params = SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True)
+            engine.add_request(f"{prefix}{i}", {"prompt_token_ids": r["prompt_token_ids"]}, params)
+
+    for key, engine in engines.items():  # warm-up
+        add(engine, "w", reqs[:8])
+        while engine.has_unfinished_requests():
+            engine.step()
+        parts[key].clear()
+        engine.reset_prefix_cache()
+        add(engine, "r", reqs)
+    total = dict.fromkeys(keys, 0.0)
+    steps = dict.fromkeys(keys, 0)
+    live = list(keys)
+    while live:
+        for key in list(live):
+            start = time.perf_counter()
+            engines[key].step()
+            total[key] += time.perf_counter() - start
+            steps[key] += 1
+            if not engines[key].has_unfinished_requests():
+                live.remove(key)
+    for key in keys:
+        detail = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(parts[key].items()))
+        log(f"no-sharing-steps {key}: {total[key]:.2f} s in {steps[key]} steps ({detail})")
+        engines[key].engine_core.shutdown()
+    bookkeeping = {key: parts[key]["schedule"] + parts[key]["update_from_output"] for key in keys}
+    return {
+        "bench": "no-sharing-steps",
+        "requests": len(reqs),
+        "build_order": build_order,
+        "steps": steps,
+        "time_s": {k: round(v, 2) for k, v in total.items()},
+        "time_ratio_on_over_off": round(total["on"] / total["off"], 3),
+        "scheduler_s": {k: round(v, 2) for k, v in bookkeeping.items()},
+        "scheduler_extra_share": round((bookkeeping["on"] - bookkeeping["off"]) / total["off"], 4),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["shared-prefix", "chunked-gap", "no-sharing"])
+    parser.add_argument(
+        "--only", choices=["shared-prefix", "chunked-gap", "no-sharing", "no-sharing-steps"]
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD)
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--build-order", choices=["on-first", "off-first"], default="on-first")
     args = parser.parse_args()
     import torch
 
@@ -204,9 +283,12 @@ def main() -> None:
         "shared-prefix": lambda: shared_prefix(args.repeats),
         "chunked-gap": lambda: chunked_gap(args.repeats),
         "no-sharing": lambda: no_sharing(args.repeats, args.workload, args.num_requests),
+        "no-sharing-steps": lambda: no_sharing_steps(
+            args.workload, args.num_requests, args.build_order
+        ),
     }
     for name, fn in benches.items():
-        if args.only in (None, name):
+        if args.only == name or (args.only is None and name != "no-sharing-steps"):
             print(json.dumps(fn()), flush=True)
 
 
