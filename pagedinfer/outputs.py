@@ -59,3 +59,28 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache instead of being recomputed."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Timings: arrival_time, first_token_time, finished_time (monotonic seconds)."""
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge a later DELTA output of the same request into this one (used when the
+        consumer of a stream falls behind): text, token ids and logprobs are appended per
+        completion index; finish state, metrics and cache figures are the later ones."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason = new.finish_reason
+            old.stop_reason = new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        self.metrics.update(later.metrics)

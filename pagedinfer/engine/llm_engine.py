@@ -13,13 +13,11 @@ import logging
 import time
 from collections.abc import Iterable
 
-import msgspec
-
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.messages import EngineCoreRequest, SchedulerStats
 from pagedinfer.engine.core import EngineCore
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
-from pagedinfer.engine.output_processor import OutputProcessor, ParentRequest
+from pagedinfer.engine.output_processor import OutputProcessor, split_request
 from pagedinfer.executor.base import Executor
 from pagedinfer.executor.uniproc import UniProcExecutor
 from pagedinfer.outputs import RequestOutput
@@ -154,18 +152,8 @@ class LLMEngine:
         """Queue a request already built by `input_processor.process` (validated)."""
         self._check_unused(request.request_id)
         self.stats.num_prompt_tokens += len(request.prompt_token_ids) * request.sampling_params.n
-        if request.sampling_params.n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
-            return
-        # n > 1: fan out into n independent child requests (they share nothing but the
-        # prompt; prefix caching later lets them share its KV blocks).
-        parent = ParentRequest(request.request_id, request.sampling_params)
-        for index in range(parent.n):
-            child_id, child_params = parent.get_child_info(index)
-            child = msgspec.structs.replace(
-                request, request_id=child_id, sampling_params=child_params
-            )
+        parent, children = split_request(request)
+        for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
 

@@ -31,13 +31,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from pagedinfer.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer, TokenizerLike
 from pagedinfer.engine.logprobs import LogprobsProcessor, TokenTextCache
 from pagedinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["OutputProcessor", "OutputProcessorOutput", "ParentRequest", "RequestState"]
+__all__ = [
+    "OutputProcessor",
+    "OutputProcessorOutput",
+    "ParentRequest",
+    "RequestState",
+    "split_request",
+]
 
 
 class OutputQueue(Protocol):
@@ -139,6 +147,24 @@ class ParentRequest:
             num_cached_tokens=self.num_cached_tokens,
             metrics=_metrics(self.arrival_time, self.first_token_time, now if finished else None),
         )
+
+
+def split_request(
+    request: EngineCoreRequest,
+) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+    """n == 1: (None, [request]). n > 1: the parent that merges the children's outputs and
+    the n independent child requests (they share nothing but the prompt; prefix caching
+    later lets them share its KV blocks)."""
+    if request.sampling_params.n == 1:
+        return None, [request]
+    parent = ParentRequest(request.request_id, request.sampling_params)
+    children = []
+    for index in range(parent.n):
+        child_id, child_params = parent.get_child_info(index)
+        children.append(
+            msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+        )
+    return parent, children
 
 
 class RequestState:

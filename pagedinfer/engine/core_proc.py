@@ -1,0 +1,274 @@
+"""The engine core in its own process, driven over ZMQ (vLLM's `EngineCoreProc`).
+
+Wire protocol (both directions: two-frame ZMQ messages, `[kind, msgpack payload]`, encoded
+and decoded by msgspec into the typed structs below; nothing on these sockets is pickled):
+
+    front end -> engine (PUSH -> PULL, `input_address`)
+        ADD      EngineCoreRequest
+        ABORT    list[str]                     request ids
+        UTILITY  UtilityCall                   a whitelisted EngineCore method, by name
+        SHUTDOWN (empty)
+    engine -> front end (PUSH -> PULL, `output_address`)
+        READY    EngineCoreReady               once, after the model and the cache are up
+        OUTPUTS  EngineCoreOutputs             after every step that produced something
+        UTILITY  UtilityResult
+        FATAL    str                           the engine is about to exit: why
+
+The process runs three threads, as vLLM's does: an input thread decodes messages into
+`input_queue`, the main thread busy-loops (apply inputs, `step()`, queue the outputs;
+block on the input queue when there is nothing to run), an output thread encodes and
+sends. Torch releases the GIL inside its kernels, so socket work overlaps the forward pass.
+The engine exits when told to, when a step raises (after sending FATAL), or when its parent
+process is gone (checked every second by the input thread), so it never outlives the
+server.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import pydantic
+
+from pagedinfer.config import EngineConfig
+from pagedinfer.core.messages import EngineCoreRequest
+from pagedinfer.engine.core import EngineCore
+from pagedinfer.executor.uniproc import UniProcExecutor
+
+logger = logging.getLogger("pagedinfer")
+
+__all__ = [
+    "EngineCoreProc",
+    "EngineCoreReady",
+    "InputKind",
+    "OutputKind",
+    "UtilityCall",
+    "UtilityResult",
+    "UTILITY_METHODS",
+    "config_to_json",
+    "config_from_json",
+    "run_engine_core",
+]
+
+
+class InputKind(bytes, enum.Enum):
+    ADD = b"A"
+    ABORT = b"B"
+    UTILITY = b"U"
+    SHUTDOWN = b"S"
+
+
+class OutputKind(bytes, enum.Enum):
+    READY = b"R"
+    OUTPUTS = b"O"
+    UTILITY = b"U"
+    FATAL = b"F"
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreReady(msgspec.Struct):
+    """What the front end needs to know about the engine before serving."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+    load_time_s: float
+
+
+# Utility calls the engine answers; anything else is refused (a message names a method, it
+# must not be able to reach arbitrary attributes).
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_kv_cache_usage", "ping"})
+
+_CONFIG_ADAPTER = pydantic.TypeAdapter(EngineConfig)
+
+
+def config_to_json(config: EngineConfig) -> str:
+    return _CONFIG_ADAPTER.dump_json(config).decode()
+
+
+def config_from_json(text: str) -> EngineConfig:
+    return _CONFIG_ADAPTER.validate_json(text)
+
+
+class EngineCoreProc(EngineCore):
+    """An `EngineCore` fed from a queue of decoded input messages (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, output_queue: queue.Queue) -> None:
+        super().__init__(config, UniProcExecutor)
+        self.input_queue: queue.Queue[tuple[InputKind, Any]] = queue.Queue()
+        self.output_queue = output_queue
+        self._shutdown = False
+
+    # Utility methods (UTILITY_METHODS).
+    def get_kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage
+
+    def ping(self) -> str:
+        return "pong"
+
+    def _handle_input(self, kind: InputKind, payload: Any) -> None:
+        if kind is InputKind.ADD:
+            self.add_request(payload)
+        elif kind is InputKind.ABORT:
+            self.abort_requests(payload)
+        elif kind is InputKind.UTILITY:
+            call: UtilityCall = payload
+            try:
+                if call.method not in UTILITY_METHODS:
+                    raise ValueError(f"unknown utility method {call.method!r}")
+                result = UtilityResult(call.call_id, getattr(self, call.method)(*call.args))
+            except Exception as exc:  # the caller gets the error; the engine keeps going
+                result = UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+            self.output_queue.put((OutputKind.UTILITY, result))
+        elif kind is InputKind.SHUTDOWN:
+            self._shutdown = True
+
+    def run_busy_loop(self) -> None:
+        while not self._shutdown:
+            if not self.has_unfinished_requests():
+                self._handle_input(*self.input_queue.get())  # idle: block for work
+            while not self.input_queue.empty():
+                self._handle_input(*self.input_queue.get_nowait())
+            if self._shutdown:
+                break
+            outputs = self.step()
+            if outputs.outputs or outputs.scheduler_stats is not None:
+                self.output_queue.put((OutputKind.OUTPUTS, outputs))
+
+
+_INPUT_DECODERS = {
+    InputKind.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+    InputKind.ABORT: msgspec.msgpack.Decoder(list[str]),
+    InputKind.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+}
+
+
+def decode_input(frames: list[bytes]) -> tuple[InputKind, Any]:
+    """Two frames -> (kind, typed payload); ValueError for anything malformed."""
+    if len(frames) != 2:
+        raise ValueError(f"expected 2 frames, got {len(frames)}")
+    kind = InputKind(frames[0])
+    if kind is InputKind.SHUTDOWN:
+        return kind, None
+    try:
+        return kind, _INPUT_DECODERS[kind].decode(frames[1])
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"bad {kind.name} payload: {exc}") from exc
+
+
+def _input_thread(engine: EngineCoreProc, socket: Any, parent_pid: int) -> None:
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    while True:
+        if not poller.poll(1000):
+            if os.getppid() != parent_pid:  # the front end is gone: so are we
+                engine.input_queue.put((InputKind.SHUTDOWN, None))
+                return
+            continue
+        frames = socket.recv_multipart()
+        try:
+            kind, payload = decode_input(frames)
+        except ValueError as exc:
+            logger.error("Dropped a malformed message from the front end: %s", exc)
+            continue
+        engine.input_queue.put((kind, payload))
+        if kind is InputKind.SHUTDOWN:
+            return
+
+
+def _output_thread(output_queue: queue.Queue, socket: Any) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        kind, payload = output_queue.get()
+        if kind is None:
+            return
+        data = payload.encode() if kind is OutputKind.FATAL else encoder.encode(payload)
+        socket.send_multipart([kind.value, data])
+
+
+def run_engine_core(
+    config_json: str, input_address: str, output_address: str, parent_pid: int
+) -> None:
+    """Body of the engine process (started by `AsyncMPClient`, see `__main__` below)."""
+    import zmq
+
+    from pagedinfer.entrypoints.llm import _setup_logging
+
+    _setup_logging()
+    context = zmq.Context()
+    out_socket = context.socket(zmq.PUSH)
+    out_socket.setsockopt(zmq.LINGER, 5000)
+    out_socket.connect(output_address)
+    in_socket = context.socket(zmq.PULL)
+    in_socket.setsockopt(zmq.LINGER, 0)
+    in_socket.connect(input_address)
+    encoder = msgspec.msgpack.Encoder()
+    output_queue: queue.Queue = queue.Queue()
+    try:
+        engine = EngineCoreProc(config_from_json(config_json), output_queue)
+    except Exception as exc:
+        logger.exception("Engine core failed to start.")
+        out_socket.send_multipart([OutputKind.FATAL.value, f"{type(exc).__name__}: {exc}".encode()])
+        out_socket.close()
+        context.term()
+        raise SystemExit(1) from exc
+    info = engine.model_info
+    ready = EngineCoreReady(
+        max_model_len=engine.max_model_len,
+        vocab_size=info.vocab_size,
+        num_kv_blocks=info.num_kv_blocks,
+        block_size=engine.config.cache_config.block_size,
+        dtype=info.dtype,
+        load_time_s=info.load_time_s,
+    )
+    out_socket.send_multipart([OutputKind.READY.value, encoder.encode(ready)])
+    writer = threading.Thread(
+        target=_output_thread, args=(output_queue, out_socket), name="engine-out", daemon=True
+    )
+    reader = threading.Thread(
+        target=_input_thread, args=(engine, in_socket, parent_pid), name="engine-in", daemon=True
+    )
+    writer.start()
+    reader.start()
+    code = 0
+    try:
+        engine.run_busy_loop()
+    except Exception:
+        code = 1
+        logger.exception("Engine core step failed; the engine process exits.")
+        output_queue.put((OutputKind.FATAL, "engine core step failed:\n" + traceback.format_exc()))
+    finally:
+        output_queue.put((None, None))
+        writer.join(timeout=5)
+        engine.shutdown()
+        out_socket.close()
+        context.term()
+    if code:
+        raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_engine_core(sys.stdin.read(), sys.argv[1], sys.argv[2], int(sys.argv[3]))
