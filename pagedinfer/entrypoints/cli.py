@@ -120,6 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=256)
     _add_engine_args(chat)
 
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (engine core in its own process)."
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="GGUF file or HF directory (default: SmolLM2-135M-Instruct).",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    serve.add_argument(
+        "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes."
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="Model name in the API (default: the file's)."
+    )
+    _add_engine_args(serve)
+
     trace = sub.add_parser(
         "trace", help="Render an engine trace (LLM(trace_path=...)) as an HTML timeline."
     )
@@ -210,10 +229,42 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from pagedinfer.engine.async_llm import AsyncLLM
+    from pagedinfer.entrypoints.openai_server import DEFAULT_MODEL_NAME, build_app
+
+    engine = AsyncLLM.from_options(**_engine_kwargs(ns))
+    name = ns.served_model_name or (
+        os.path.splitext(os.path.basename(ns.model.rstrip("/")))[0]
+        if ns.model
+        else DEFAULT_MODEL_NAME
+    )
+    app = build_app(engine, name, ns.api_key)
+    print(
+        f"Serving {name} on http://{ns.host}:{ns.port}. Try:\n"
+        f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"
+        + (f" -H 'Authorization: Bearer {ns.api_key}'" if ns.api_key else "")
+        + f' -d \'{{"model": "{name}", "messages": [{{"role": "user", '
+        f'"content": "Name three colours."}}], "max_tokens": 40}}\'',
+        flush=True,
+    )
+    try:
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "generate":
         return _cmd_generate(ns)
+    if ns.command == "serve":
+        return _cmd_serve(ns)
     if ns.command == "trace":
         return _cmd_trace(ns)
     return _cmd_chat(ns)

@@ -16,6 +16,7 @@ attention backend keeps its pure-torch path. Torch reference: `attention/torch_r
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -40,8 +41,11 @@ def load_cpu_kernels() -> Any | None:
             from torch.utils import cpp_extension
 
             csrc = os.path.join(os.path.dirname(__file__), "csrc")
+            # One build directory per checkout: torch caches builds by name, and two
+            # checkouts sharing a name rebuilt each other's module on every load.
+            tag = hashlib.sha1(os.path.abspath(csrc).encode()).hexdigest()[:10]
             _module = cpp_extension.load(
-                name="pagedinfer_cpu_kernels",
+                name=f"pagedinfer_cpu_kernels_{tag}",
                 sources=[
                     os.path.join(csrc, name)
                     for name in (

@@ -1,0 +1,482 @@
+"""OpenAI-compatible HTTP server over `AsyncLLM` (`pagedinfer serve`).
+
+Endpoints: `/v1/completions`, `/v1/chat/completions` (JSON or SSE streaming), `/v1/models`,
+`/health`, `/version`. Request bodies are validated by pydantic models that forbid nothing
+but check types and ranges; every problem is a 4xx with an OpenAI-style error body
+(`{"error": {"message", "type", "param", "code"}}`), and a bad request never reaches the
+engine. With `--api-key`, every `/v1` route wants `Authorization: Bearer <key>` (401).
+A client that disconnects mid-stream closes its generator, which aborts the request in the
+engine and frees its blocks. If the engine process dies, requests fail with 503 and
+`/health` answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+import pagedinfer
+from pagedinfer.engine.async_llm import AsyncLLM
+from pagedinfer.engine.core_client import EngineDeadError
+from pagedinfer.outputs import CompletionOutput, RequestOutput
+from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["build_app", "DEFAULT_MODEL_NAME"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError as exc:
+                raise ValueError(f"logit_bias keys must be token ids: {exc}") from exc
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=0 if self.top_k == -1 else self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
+    kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
+        status, "ServiceUnavailableError" if status == 503 else "InternalServerError"
+    )
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse_error(exc: BaseException) -> str:
+    body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _chat_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError("only text content parts are supported")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _completion_logprobs(c: CompletionOutput, tokenizer, offset0: int = 0) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = offset0
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        text = tokenizer.decode([token_id])
+        tokens.append(text)
+        token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
+        top.append(
+            {(lp.decoded_token or tokenizer.decode([t])): lp.logprob for t, lp in entry.items()}
+        )
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(c: CompletionOutput, tokenizer, top_n: int) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        text = tokenizer.decode([token_id])
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+        content.append(
+            {
+                "token": text,
+                "logprob": entry[token_id].logprob if token_id in entry else None,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or tokenizer.decode([t]),
+                        "logprob": lp.logprob,
+                        "bytes": list((lp.decoded_token or tokenizer.decode([t])).encode()),
+                    }
+                    for t, lp in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def build_app(
+    engine: AsyncLLM, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None
+) -> FastAPI:
+    app = FastAPI(title="pagedinfer", version=pagedinfer.__version__)
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(401, "Invalid or missing API key.")
+        return await call_next(request)
+
+    def _check_model(name: str | None):
+        if name is not None and name != model_name:
+            return _error(
+                404,
+                f"The model {name!r} does not exist; this server serves {model_name!r}.",
+                "model",
+            )
+        return None
+
+    @app.get("/health")
+    async def health():
+        if engine.errored:
+            return _error(503, "The engine core is dead.")
+        return JSONResponse({})
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedinfer.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pagedinfer",
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def _run(
+        prompt, params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        async for out in engine.generate(prompt, params, request_id):
+            yield out
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        if (bad := _check_model(body.model)) is not None:
+            return bad
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            return _error(400, "prompt: at least one prompt is needed", "prompt")
+        if body.stream and len(prompts) > 1:
+            return _error(400, "prompt: streaming takes one prompt", "prompt")
+        try:
+            params = body.sampling_params(body.max_tokens or 16, body.logprobs)
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+        if body.stream:
+            gen = _run(inputs[0], params, request_id)
+            try:
+                first = await gen.__anext__()
+            except (ValueError, TypeError) as exc:
+                return _error(400, str(exc))
+            except EngineDeadError as exc:
+                return _error(503, str(exc))
+            return StreamingResponse(
+                _stream_completion(first, gen, request_id, body, created_at=int(time.time())),
+                media_type="text/event-stream",
+            )
+
+        async def final_output(i: int, prompt: Any) -> RequestOutput:
+            final = None
+            async for out in _run(prompt, params, f"{request_id}-{i}"):
+                final = out
+            assert final is not None
+            return final
+
+        try:
+            # Validate every prompt before any runs: a bad one fails the request alone.
+            for i, prompt in enumerate(inputs):
+                engine.input_processor.process(f"{request_id}-check-{i}", prompt, params)
+            results = await asyncio.gather(*(final_output(i, p) for i, p in enumerate(inputs)))
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        except EngineDeadError as exc:
+            return _error(503, str(exc))
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        for i, res in enumerate(results):
+            prompt_tokens += len(res.prompt_token_ids)
+            cached += res.num_cached_tokens
+            prefix = (res.prompt or tokenizer.decode(res.prompt_token_ids)) if body.echo else ""
+            for c in res.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(
+                    {
+                        "index": i * params.n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": _completion_logprobs(c, tokenizer, len(prefix)),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens, cached),
+        }
+
+    async def _stream_completion(first, gen, request_id, body: CompletionRequest, created_at: int):
+        counts: dict[int, int] = {}
+        prompt_tokens, cached = len(first.prompt_token_ids), first.num_cached_tokens
+        echoed: set[int] = set()
+
+        def chunk(out: RequestOutput) -> str:
+            choices = []
+            for c in out.outputs:
+                counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+                text = c.text
+                if body.echo and c.index not in echoed:
+                    echoed.add(c.index)
+                    text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
+                choices.append(
+                    {
+                        "index": c.index,
+                        "text": text,
+                        "logprobs": _completion_logprobs(c, tokenizer),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+            data = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created_at,
+                "model": model_name,
+                "choices": choices,
+            }
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            yield chunk(first)
+            async for out in gen:
+                cached = max(cached, out.num_cached_tokens)
+                yield chunk(out)
+        except EngineDeadError as exc:
+            yield _sse_error(exc)
+        finally:
+            await gen.aclose()
+        if body.stream_options is not None and body.stream_options.include_usage:
+            data = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created_at,
+                "model": model_name,
+                "choices": [],
+                "usage": _usage(prompt_tokens, sum(counts.values()), cached),
+            }
+            yield f"data: {json.dumps(data)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        if (bad := _check_model(body.model)) is not None:
+            return bad
+        try:
+            messages = [{"role": m.role, "content": _chat_text(m.content)} for m in body.messages]
+            prompt_ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
+            )
+            top_n = body.top_logprobs or 0
+            params = body.sampling_params(
+                body.max_completion_tokens or body.max_tokens, top_n if body.logprobs else None
+            )
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc), "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = _run({"prompt_token_ids": prompt_ids}, params, request_id)
+        try:
+            first = await gen.__anext__()
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        except EngineDeadError as exc:
+            return _error(503, str(exc))
+        created_at = int(time.time())
+        if body.stream:
+            return StreamingResponse(
+                _stream_chat(first, gen, request_id, body, created_at, top_n),
+                media_type="text/event-stream",
+            )
+        final = first
+        try:
+            async for out in gen:
+                final = out
+        except EngineDeadError as exc:
+            return _error(503, str(exc))
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(c, tokenizer, top_n) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created_at,
+            "model": model_name,
+            "choices": choices,
+            "usage": _usage(
+                len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens
+            ),
+        }
+
+    async def _stream_chat(first, gen, request_id, body: ChatCompletionRequest, created_at, top_n):
+        counts: dict[int, int] = {}
+        cached = first.num_cached_tokens
+        started: set[int] = set()
+
+        def chunk(out: RequestOutput) -> str:
+            choices = []
+            for c in out.outputs:
+                counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+                delta: dict[str, Any] = {"content": c.text}
+                if c.index not in started:
+                    started.add(c.index)
+                    delta["role"] = "assistant"
+                choices.append(
+                    {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": _chat_logprobs(c, tokenizer, top_n) if body.logprobs else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            data = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created_at,
+                "model": model_name,
+                "choices": choices,
+            }
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            yield chunk(first)
+            async for out in gen:
+                cached = max(cached, out.num_cached_tokens)
+                yield chunk(out)
+        except EngineDeadError as exc:
+            yield _sse_error(exc)
+        finally:
+            await gen.aclose()
+        if body.stream_options is not None and body.stream_options.include_usage:
+            data = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created_at,
+                "model": model_name,
+                "choices": [],
+                "usage": _usage(len(first.prompt_token_ids), sum(counts.values()), cached),
+            }
+            yield f"data: {json.dumps(data)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app
