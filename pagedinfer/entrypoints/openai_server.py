@@ -319,36 +319,20 @@ def build_app(
             "usage": _usage(prompt_tokens, completion_tokens, cached),
         }
 
-    async def _stream_completion(first, gen, request_id, body: CompletionRequest, created_at: int):
+    async def _sse(first, gen, request_id: str, obj: str, created_at: int, usage: bool, choice):
+        """SSE stream of `first` and the rest of `gen`: one chunk per output, each choice
+        built by `choice(out, completion)`; then the usage chunk (if asked) and [DONE]."""
         counts: dict[int, int] = {}
-        prompt_tokens, cached = len(first.prompt_token_ids), first.num_cached_tokens
-        echoed: set[int] = set()
+        cached = first.num_cached_tokens
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            data = {"id": request_id, "object": obj, "created": created_at, "model": model_name}
+            return f"data: {json.dumps({**data, 'choices': choices, **extra})}\n\n"
 
         def chunk(out: RequestOutput) -> str:
-            choices = []
             for c in out.outputs:
                 counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
-                text = c.text
-                if body.echo and c.index not in echoed:
-                    echoed.add(c.index)
-                    text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
-                choices.append(
-                    {
-                        "index": c.index,
-                        "text": text,
-                        "logprobs": _completion_logprobs(c, tokenizer),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
-            data = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created_at,
-                "model": model_name,
-                "choices": choices,
-            }
-            return f"data: {json.dumps(data)}\n\n"
+            return event([choice(out, c) for c in out.outputs])
 
         try:
             yield chunk(first)
@@ -359,17 +343,29 @@ def build_app(
             yield _sse_error(exc)
         finally:
             await gen.aclose()
-        if body.stream_options is not None and body.stream_options.include_usage:
-            data = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created_at,
-                "model": model_name,
-                "choices": [],
-                "usage": _usage(prompt_tokens, sum(counts.values()), cached),
-            }
-            yield f"data: {json.dumps(data)}\n\n"
+        if usage:
+            tokens = _usage(len(first.prompt_token_ids), sum(counts.values()), cached)
+            yield event([], usage=tokens)
         yield "data: [DONE]\n\n"
+
+    def _stream_completion(first, gen, request_id, body: CompletionRequest, created_at: int):
+        echoed: set[int] = set()
+
+        def choice(out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+            text = c.text
+            if body.echo and c.index not in echoed:
+                echoed.add(c.index)
+                text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
+            return {
+                "index": c.index,
+                "text": text,
+                "logprobs": _completion_logprobs(c, tokenizer),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return _sse(first, gen, request_id, "text_completion", created_at, usage, choice)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -428,55 +424,22 @@ def build_app(
             ),
         }
 
-    async def _stream_chat(first, gen, request_id, body: ChatCompletionRequest, created_at, top_n):
-        counts: dict[int, int] = {}
-        cached = first.num_cached_tokens
+    def _stream_chat(first, gen, request_id, body: ChatCompletionRequest, created_at, top_n):
         started: set[int] = set()
 
-        def chunk(out: RequestOutput) -> str:
-            choices = []
-            for c in out.outputs:
-                counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
-                delta: dict[str, Any] = {"content": c.text}
-                if c.index not in started:
-                    started.add(c.index)
-                    delta["role"] = "assistant"
-                choices.append(
-                    {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": _chat_logprobs(c, tokenizer, top_n) if body.logprobs else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-            data = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created_at,
-                "model": model_name,
-                "choices": choices,
+        def choice(out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": c.text}
+            if c.index not in started:
+                started.add(c.index)
+                delta["role"] = "assistant"
+            return {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": _chat_logprobs(c, tokenizer, top_n) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
             }
-            return f"data: {json.dumps(data)}\n\n"
 
-        try:
-            yield chunk(first)
-            async for out in gen:
-                cached = max(cached, out.num_cached_tokens)
-                yield chunk(out)
-        except EngineDeadError as exc:
-            yield _sse_error(exc)
-        finally:
-            await gen.aclose()
-        if body.stream_options is not None and body.stream_options.include_usage:
-            data = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created_at,
-                "model": model_name,
-                "choices": [],
-                "usage": _usage(len(first.prompt_token_ids), sum(counts.values()), cached),
-            }
-            yield f"data: {json.dumps(data)}\n\n"
-        yield "data: [DONE]\n\n"
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return _sse(first, gen, request_id, "chat.completion.chunk", created_at, usage, choice)
 
     return app
