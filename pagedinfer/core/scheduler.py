@@ -347,6 +347,13 @@ class Scheduler:
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Apply token-level stop conditions after one appended token; sets the status."""
     params = request.sampling_params
+    # The length caps come first: min_tokens can hold back a stop token, never run a
+    # request past max_model_len (nor past max_tokens, which validation keeps >= min_tokens).
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
     if request.num_output_tokens < params.min_tokens:
         return False
     last = request.output_token_ids[-1]
@@ -356,10 +363,5 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if params.stop_token_ids and last in params.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
-        return True
-    if request.num_tokens >= max_model_len or (
-        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
-    ):
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

@@ -31,6 +31,7 @@ from pagedinfer.engine.core_client import (
 )
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.llm_engine import EngineStats
+from pagedinfer.engine.metrics import IterationStats, StatLogger
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
 from pagedinfer.outputs import RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -85,6 +86,8 @@ class AsyncLLM:
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.stats = EngineStats(config.observability_config.log_stats_interval_s)
+        self.stat_loggers: list[StatLogger] = []
+        """Given every step's statistics (the server adds its Prometheus logger here)."""
         self._handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
 
@@ -144,14 +147,21 @@ class AsyncLLM:
     def _add(
         self, request: EngineCoreRequest, prompt_text: str | None, collector: RequestOutputCollector
     ) -> None:
-        self.stats.num_prompt_tokens += len(request.prompt_token_ids) * request.sampling_params.n
+        num_prompt_tokens = len(request.prompt_token_ids) * request.sampling_params.n
+        self.stats.num_prompt_tokens += num_prompt_tokens
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_prompt_tokens(num_prompt_tokens)
         parent, children = split_request(request)
         for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, index, queue=collector)
             self.engine_core.add_request(child)
 
     def _abort(self, request_ids: list[str]) -> None:
-        removed = self.output_processor.abort_requests(request_ids)
+        iteration_stats = IterationStats() if self.stat_loggers else None
+        removed = self.output_processor.abort_requests(request_ids, iteration_stats)
+        if iteration_stats is not None and removed:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(None, iteration_stats)
         if removed and not self.engine_core.is_dead:
             self.engine_core.abort_requests(removed)
 
@@ -163,6 +173,10 @@ class AsyncLLM:
 
     async def get_kv_cache_usage(self) -> float:
         return float(await self.engine_core.call_utility("get_kv_cache_usage"))
+
+    async def get_scheduler_stats(self) -> dict[str, float]:
+        """The engine core's running / waiting counts and KV usage, asked now."""
+        return dict(await self.engine_core.call_utility("get_scheduler_stats"))
 
     def get_stats(self) -> dict[str, float]:
         return self.stats.as_dict()
@@ -179,9 +193,12 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output()
+                iteration_stats = IterationStats() if self.stat_loggers else None
                 processed = self.output_processor.process_outputs(
-                    outputs.outputs, outputs.timestamp
+                    outputs.outputs, outputs.timestamp, iteration_stats
                 )
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(outputs.scheduler_stats, iteration_stats)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
                 if outputs.scheduler_stats is not None:

@@ -13,6 +13,7 @@ scheduler. The derived values are kept here (never written back into the frozen 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.kv_cache_utils import BlockHasher, get_hash_fn
@@ -48,6 +49,8 @@ class EngineCore:
             self.block_hasher = BlockHasher(
                 block_size, get_hash_fn(cache_config.prefix_caching_hash_algo)
             )
+        # Set when anything changed the scheduler since the last snapshot sent while idle.
+        self._stats_dirty = False
         self.tracer: StepTracer | None = None
         trace_path = config.observability_config.trace_path
         if trace_path:
@@ -100,9 +103,22 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+        self._stats_dirty = True
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._stats_dirty = True
+
+    def idle_outputs(self) -> EngineCoreOutputs | None:
+        """One scheduler snapshot as the engine goes idle, if anything changed since the last.
+
+        Step outputs carry the scheduler's state *before* later aborts freed their blocks;
+        without this, a front end's gauges (running, waiting, KV usage) would keep the last
+        busy step's values until the next request arrives."""
+        if not self._stats_dirty or self.scheduler.has_unfinished_requests():
+            return None
+        self._stats_dirty = False
+        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -110,6 +126,22 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()
+
+    # Utility methods the front end may call (core_proc.UTILITY_METHODS).
+    def get_kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage
+
+    def get_scheduler_stats(self) -> dict[str, Any]:
+        """The scheduler's state now (running, waiting, KV usage; prefix-cache counters are
+        left for the step outputs to carry)."""
+        return {
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            "kv_cache_usage": self.scheduler.kv_cache_manager.usage,
+        }
+
+    def ping(self) -> str:
+        return "pong"
 
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
@@ -120,6 +152,7 @@ class EngineCore:
             # Structured outputs will compute the grammar bitmask here, while a device runs.
             runner_output = self.executor.sample_tokens(None)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._stats_dirty = True
         if self.tracer is not None:
             self.tracer.end_step(
                 [o.request_id for o in outputs.outputs if o.finished],

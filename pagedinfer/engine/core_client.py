@@ -340,6 +340,8 @@ class InprocClient(EngineCoreClient):
                 if outputs.outputs or outputs.scheduler_stats is not None:
                     return outputs
                 continue
+            if (idle := self.core.idle_outputs()) is not None:
+                return idle
             self._wakeup.clear()
             if self._inputs.empty():
                 await self._wakeup.wait()
@@ -347,10 +349,6 @@ class InprocClient(EngineCoreClient):
     async def call_utility(self, method: str, *args: Any) -> Any:
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}")
-        if method == "get_kv_cache_usage":
-            return self.core.scheduler.kv_cache_manager.usage
-        if method == "ping":
-            return "pong"
         return getattr(self.core, method)(*args)
 
     def shutdown(self) -> None:

@@ -37,7 +37,12 @@ import msgspec
 import pydantic
 
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.messages import EngineCoreRequest
+from pagedinfer.core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
 from pagedinfer.engine.core import EngineCore
 from pagedinfer.executor.uniproc import UniProcExecutor
 
@@ -96,7 +101,9 @@ class EngineCoreReady(msgspec.Struct):
 
 # Utility calls the engine answers; anything else is refused (a message names a method, it
 # must not be able to reach arbitrary attributes).
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_kv_cache_usage", "ping"})
+UTILITY_METHODS = frozenset(
+    {"reset_prefix_cache", "get_kv_cache_usage", "get_scheduler_stats", "ping"}
+)
 
 _CONFIG_ADAPTER = pydantic.TypeAdapter(EngineConfig)
 
@@ -118,13 +125,6 @@ class EngineCoreProc(EngineCore):
         self.output_queue = output_queue
         self._shutdown = False
 
-    # Utility methods (UTILITY_METHODS).
-    def get_kv_cache_usage(self) -> float:
-        return self.scheduler.kv_cache_manager.usage
-
-    def ping(self) -> str:
-        return "pong"
-
     def _handle_input(self, kind: InputKind, payload: Any) -> None:
         if kind is InputKind.ADD:
             self.add_request(payload)
@@ -145,6 +145,8 @@ class EngineCoreProc(EngineCore):
     def run_busy_loop(self) -> None:
         while not self._shutdown:
             if not self.has_unfinished_requests():
+                if (idle := self.idle_outputs()) is not None:
+                    self.output_queue.put((OutputKind.OUTPUTS, idle))
                 self._handle_input(*self.input_queue.get())  # idle: block for work
             while not self.input_queue.empty():
                 self._handle_input(*self.input_queue.get_nowait())
@@ -175,36 +177,79 @@ def decode_input(frames: list[bytes]) -> tuple[InputKind, Any]:
         raise ValueError(f"bad {kind.name} payload: {exc}") from exc
 
 
-def _input_thread(engine: EngineCoreProc, socket: Any, parent_pid: int) -> None:
+def reject_malformed_add(frames: list[bytes], error: Exception) -> EngineCoreOutputs | None:
+    """An ADD the engine cannot decode still names its request (the first field of the
+    array): answer it finished with reason "error", so the front end does not wait forever
+    for a request the engine never took. None if not even the id can be read."""
+    if len(frames) != 2 or frames[0] != InputKind.ADD.value:
+        return None
+    try:
+        fields = msgspec.msgpack.decode(frames[1])
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(fields, list) or not fields or not isinstance(fields[0], str):
+        return None
+    logger.error("Rejected request %s: %s", fields[0], error)
+    return EngineCoreOutputs(
+        outputs=[EngineCoreOutput(fields[0], [], finish_reason=FinishReason.ERROR)]
+    )
+
+
+def _input_thread(
+    engine: EngineCoreProc, socket: Any, parent_pid: int, stop: threading.Event
+) -> None:
+    """Owns the input socket (closes it on the way out: `Context.term()` waits for every
+    socket to be closed)."""
     import zmq
 
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
-    while True:
-        if not poller.poll(1000):
-            if os.getppid() != parent_pid:  # the front end is gone: so are we
-                engine.input_queue.put((InputKind.SHUTDOWN, None))
+    try:
+        while not stop.is_set():
+            if not poller.poll(1000):
+                if os.getppid() != parent_pid:  # the front end is gone: so are we
+                    stop.set()
+                    engine.input_queue.put((InputKind.SHUTDOWN, None))
+                    return
+                continue
+            frames = socket.recv_multipart()
+            try:
+                kind, payload = decode_input(frames)
+            except ValueError as exc:
+                if (rejected := reject_malformed_add(frames, exc)) is not None:
+                    engine.output_queue.put((OutputKind.OUTPUTS, rejected))
+                else:
+                    logger.error("Dropped a malformed message from the front end: %s", exc)
+                continue
+            engine.input_queue.put((kind, payload))
+            if kind is InputKind.SHUTDOWN:
                 return
-            continue
-        frames = socket.recv_multipart()
-        try:
-            kind, payload = decode_input(frames)
-        except ValueError as exc:
-            logger.error("Dropped a malformed message from the front end: %s", exc)
-            continue
-        engine.input_queue.put((kind, payload))
-        if kind is InputKind.SHUTDOWN:
-            return
+    finally:
+        socket.close()
 
 
-def _output_thread(output_queue: queue.Queue, socket: Any) -> None:
+def _output_thread(output_queue: queue.Queue, socket: Any, stop: threading.Event) -> None:
+    """Owns the output socket; a `(None, None)` item ends it. Sends time out (SNDTIMEO) so
+    that a front end that is gone cannot block this thread: once `stop` is set, what
+    cannot be sent is dropped."""
+    import zmq
+
     encoder = msgspec.msgpack.Encoder()
-    while True:
-        kind, payload = output_queue.get()
-        if kind is None:
-            return
-        data = payload.encode() if kind is OutputKind.FATAL else encoder.encode(payload)
-        socket.send_multipart([kind.value, data])
+    try:
+        while True:
+            kind, payload = output_queue.get()
+            if kind is None:
+                return
+            data = payload.encode() if kind is OutputKind.FATAL else encoder.encode(payload)
+            while True:
+                try:
+                    socket.send_multipart([kind.value, data])
+                    break
+                except zmq.Again:
+                    if stop.is_set():
+                        return
+    finally:
+        socket.close(linger=0 if stop.is_set() else None)
 
 
 def run_engine_core(
@@ -219,6 +264,7 @@ def run_engine_core(
     context = zmq.Context()
     out_socket = context.socket(zmq.PUSH)
     out_socket.setsockopt(zmq.LINGER, 5000)
+    out_socket.setsockopt(zmq.SNDTIMEO, 500)
     out_socket.connect(output_address)
     in_socket = context.socket(zmq.PULL)
     in_socket.setsockopt(zmq.LINGER, 0)
@@ -243,11 +289,15 @@ def run_engine_core(
         load_time_s=info.load_time_s,
     )
     out_socket.send_multipart([OutputKind.READY.value, encoder.encode(ready)])
+    stop = threading.Event()
     writer = threading.Thread(
-        target=_output_thread, args=(output_queue, out_socket), name="engine-out", daemon=True
+        target=_output_thread, args=(output_queue, out_socket, stop), name="engine-out", daemon=True
     )
     reader = threading.Thread(
-        target=_input_thread, args=(engine, in_socket, parent_pid), name="engine-in", daemon=True
+        target=_input_thread,
+        args=(engine, in_socket, parent_pid, stop),
+        name="engine-in",
+        daemon=True,
     )
     writer.start()
     reader.start()
@@ -261,8 +311,14 @@ def run_engine_core(
     finally:
         output_queue.put((None, None))
         writer.join(timeout=5)
+        stop.set()
+        reader.join(timeout=3)
         engine.shutdown()
-        out_socket.close()
+        if writer.is_alive() or reader.is_alive():
+            # A send stuck on a peer that is gone (the front end died): nobody is left to
+            # read what it holds. Exit now rather than wait on a socket forever.
+            logging.shutdown()
+            os._exit(code)
         context.term()
     if code:
         raise SystemExit(code)

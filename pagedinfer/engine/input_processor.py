@@ -42,8 +42,15 @@ class InputProcessor:
         text, token_ids, cache_salt = self._tokenize(prompt)
         self._validate(token_ids, params)
         params = params.clone()
+        if params.top_k >= self.vocab_size:
+            params.top_k = 0  # keeps the whole vocabulary either way; 0 says so cheaply
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(token_ids)
+            if params.min_tokens > params.max_tokens:
+                raise ValueError(
+                    f"min_tokens ({params.min_tokens}) is more than the {params.max_tokens} "
+                    f"tokens left after the prompt (maximum model length {self.max_model_len})."
+                )
         if self.eos_token_id is not None:
             # Masked until min_tokens is reached, even with ignore_eos (as vLLM does).
             params.update_from_eos((self.eos_token_id,))

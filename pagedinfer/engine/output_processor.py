@@ -36,6 +36,7 @@ import msgspec
 from pagedinfer.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer, TokenizerLike
 from pagedinfer.engine.logprobs import LogprobsProcessor, TokenTextCache
+from pagedinfer.engine.metrics import FinishedRequestStats, IterationStats
 from pagedinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -190,6 +191,8 @@ class RequestState:
         self.queue = queue
         self.arrival_time = request.arrival_time
         self.first_token_time: float | None = None
+        self.last_token_time = 0.0
+        self.num_generation_tokens = 0
         self.num_cached_tokens = 0
         self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_request(token_text, request)
@@ -285,25 +288,43 @@ class OutputProcessor:
             parent_req.queue = queue
             self.parent_requests[parent_req.request_id] = parent_req
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+    def abort_requests(
+        self, request_ids: Iterable[str], iteration_stats: IterationStats | None = None
+    ) -> list[str]:
         """Drop the state of the given requests (parent ids expand to their children).
 
         Returns the engine-core request ids that were dropped, i.e. what the engine core must
-        abort. No output is produced for them.
+        abort. No output is produced for them; with `iteration_stats`, each is recorded there
+        as finished with reason "abort".
         """
         removed: list[str] = []
+        now = time.monotonic()
+
+        def record(state: RequestState) -> None:
+            if iteration_stats is not None:
+                iteration_stats.finished_requests.append(
+                    FinishedRequestStats(
+                        str(FinishReason.ABORT),
+                        now - state.arrival_time,
+                        len(state.prompt_token_ids),
+                        state.num_generation_tokens,
+                    )
+                )
+
         for request_id in request_ids:
             parent = self.parent_requests.pop(request_id, None)
             if parent is not None:
                 for index in range(parent.n):
                     child_id = f"{index}_{parent.request_id}"
-                    if self.request_states.pop(child_id, None) is not None:
+                    if (child := self.request_states.pop(child_id, None)) is not None:
                         removed.append(child_id)
+                        record(child)
                 continue
             state = self.request_states.pop(request_id, None)
             if state is None:
                 continue
             removed.append(request_id)
+            record(state)
             if state.parent is not None:
                 state.parent.remove_child(state.request_index)
                 self._drop_parent_if_done(state.parent)
@@ -313,8 +334,10 @@ class OutputProcessor:
         self,
         engine_core_outputs: list[EngineCoreOutput],
         engine_core_timestamp: float | None = None,
+        iteration_stats: IterationStats | None = None,
     ) -> OutputProcessorOutput:
-        """Update request states from one engine step's outputs and build RequestOutputs."""
+        """Update request states from one engine step's outputs and build RequestOutputs;
+        with `iteration_stats`, record this step's latencies and finished requests there."""
         now = time.monotonic() if engine_core_timestamp is None else engine_core_timestamp
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
@@ -329,8 +352,17 @@ class OutputProcessor:
             num_generation_tokens += len(new_token_ids)
             if output.num_cached_tokens:
                 state.num_cached_tokens = output.num_cached_tokens
-            if new_token_ids and state.first_token_time is None:
-                state.first_token_time = now
+            if new_token_ids:
+                if iteration_stats is not None:
+                    iteration_stats.num_generation_tokens += len(new_token_ids)
+                    if state.first_token_time is None:
+                        iteration_stats.time_to_first_tokens.append(now - state.arrival_time)
+                    else:
+                        iteration_stats.inter_token_latencies.append(now - state.last_token_time)
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                state.last_token_time = now
+                state.num_generation_tokens += len(new_token_ids)
 
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             # Engine-core STOP means a stop token (EOS / stop_token_ids): it knows no strings.
@@ -360,6 +392,15 @@ class OutputProcessor:
                 touched_parents[parent.request_id] = parent
 
             if finished:
+                if iteration_stats is not None:
+                    iteration_stats.finished_requests.append(
+                        FinishedRequestStats(
+                            str(finish_reason),
+                            now - state.arrival_time,
+                            len(state.prompt_token_ids),
+                            state.num_generation_tokens,
+                        )
+                    )
                 del self.request_states[output.request_id]
                 if not output.finished:
                     reqs_to_abort.append(output.request_id)

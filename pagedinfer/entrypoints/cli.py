@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("trace_file", help="The JSON-lines trace the engine wrote.")
     trace.add_argument("-o", "--output", default="trace.html", help="HTML file to write.")
     trace.add_argument("--title", default=None, help="Page title (default: the file name).")
+    from pagedinfer.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -230,7 +233,7 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    import os
+    import asyncio
 
     import uvicorn
 
@@ -243,20 +246,29 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if ns.model
         else DEFAULT_MODEL_NAME
     )
-    app = build_app(engine, name, ns.api_key)
-    print(
-        f"Serving {name} on http://{ns.host}:{ns.port}. Try:\n"
+    app = build_app(engine, name, ns.api_key, shutdown_engine=True)
+    curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"
         + (f" -H 'Authorization: Bearer {ns.api_key}'" if ns.api_key else "")
         + f' -d \'{{"model": "{name}", "messages": [{{"role": "user", '
-        f'"content": "Name three colours."}}], "max_tokens": 40}}\'',
-        flush=True,
+        f'"content": "Name three colours."}}], "max_tokens": 40}}\''
     )
+    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:  # listening: now the line works
+            print(f"Serving {name} on http://{ns.host}:{ns.port} (Ctrl-C stops). Try:\n{curl}",
+                  flush=True)  # fmt: skip
+        await task
+
     try:
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+        asyncio.run(run())
     finally:
         engine.shutdown()
-    return 0
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_serve(ns)
     if ns.command == "trace":
         return _cmd_trace(ns)
+    if ns.command == "bench":
+        from pagedinfer.bench import run_bench
+
+        return run_bench(ns)
     return _cmd_chat(ns)
 
 

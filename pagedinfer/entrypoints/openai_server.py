@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over `AsyncLLM` (`pagedinfer serve`).
 
 Endpoints: `/v1/completions`, `/v1/chat/completions` (JSON or SSE streaming), `/v1/models`,
-`/health`, `/version`. Request bodies are validated by pydantic models that forbid nothing
+`/health`, `/version`, `/tokenize`, `/detokenize`, and `/metrics` (Prometheus text format,
+see `engine/metrics.py`). Request bodies are validated by pydantic models that forbid nothing
 but check types and ranges; every problem is a 4xx with an OpenAI-style error body
 (`{"error": {"message", "type", "param", "code"}}`), and a bad request never reaches the
 engine. With `--api-key`, every `/v1` route wants `Authorization: Bearer <key>` (401).
@@ -13,6 +14,7 @@ engine and frees its blocks. If the engine process dies, requests fail with 503 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -21,12 +23,14 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedinfer
 from pagedinfer.engine.async_llm import AsyncLLM
 from pagedinfer.engine.core_client import EngineDeadError
+from pagedinfer.engine.metrics import PrometheusStatLogger
 from pagedinfer.outputs import CompletionOutput, RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -112,16 +116,51 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
+class TokenizeRequest(BaseModel):
+    """`prompt` (text, tokenized as a completion prompt is) or `messages` (rendered with the
+    chat template, as a chat request is): exactly one of them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
-    kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-        status, "ServiceUnavailableError" if status == 503 else "InternalServerError"
-    )
+    kind = kind or {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowedError",
+        413: "RequestTooLargeError",
+        415: "UnsupportedMediaTypeError",
+        422: "BadRequestError",
+        503: "ServiceUnavailableError",
+    }.get(status, "BadRequestError" if 400 <= status < 500 else "InternalServerError")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 
+def _dead_message(exc: BaseException) -> str:
+    """What a client is told when the engine is gone: the first line only (the engine's
+    traceback, if it sent one, is in the server log, not in responses)."""
+    return (str(exc).strip().splitlines() or ["The engine core is dead."])[0]
+
+
 def _sse_error(exc: BaseException) -> str:
-    body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
+    body = {"error": {"message": _dead_message(exc), "type": "ServiceUnavailableError",
+                      "code": 503}}  # fmt: skip
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -193,11 +232,32 @@ def _chat_logprobs(c: CompletionOutput, tokenizer, top_n: int) -> dict[str, Any]
 
 
 def build_app(
-    engine: AsyncLLM, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None
+    engine: AsyncLLM,
+    model_name: str = DEFAULT_MODEL_NAME,
+    api_key: str | None = None,
+    *,
+    shutdown_engine: bool = False,
 ) -> FastAPI:
-    app = FastAPI(title="pagedinfer", version=pagedinfer.__version__)
+    """The app over `engine`; with `shutdown_engine`, the app's lifespan ends it (so the
+    engine process goes with the server however the ASGI server is stopped)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if shutdown_engine:
+            engine.shutdown()
+
+    app = FastAPI(title="pagedinfer", version=pagedinfer.__version__, lifespan=lifespan)
     tokenizer = engine.tokenizer
     created = int(time.time())
+    metrics = PrometheusStatLogger(model_name, engine.max_model_len)
+    engine.stat_loggers.append(metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        # The framework's own errors (unknown route, wrong method, a body that is not
+        # parseable at all) in the same OpenAI-style shape as ours.
+        return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -230,6 +290,57 @@ def build_app(
     @app.get("/version")
     async def version():
         return {"version": pagedinfer.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if not engine.errored:
+            try:  # gauges as the engine core sees them now, not as of its last step
+                now = await asyncio.wait_for(engine.get_scheduler_stats(), timeout=5)
+                metrics.update_gauges(
+                    now["num_running_reqs"], now["num_waiting_reqs"], now["kv_cache_usage"]
+                )
+            except (EngineDeadError, asyncio.TimeoutError):
+                pass  # serve the last known values
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (bad := _check_model(body.model)) is not None:
+            return bad
+        if (body.prompt is None) == (body.messages is None):
+            return _error(400, "Give exactly one of 'prompt' and 'messages'.", "prompt")
+        try:
+            if body.messages is not None:
+                messages = [
+                    {"role": m.role, "content": _chat_text(m.content)} for m in body.messages
+                ]
+                ids = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
+                )
+            else:
+                ids = tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc), "messages" if body.messages is not None else "prompt")
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": list(ids),
+        }
+        if body.return_token_strs:
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if (bad := _check_model(body.model)) is not None:
+            return bad
+        vocab = engine.input_processor.vocab_size
+        bad_ids = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad_ids:
+            return _error(400, f"tokens: ids out of range [0, {vocab}): {bad_ids[:5]}", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models")
     async def models():
@@ -272,7 +383,7 @@ def build_app(
             except (ValueError, TypeError) as exc:
                 return _error(400, str(exc))
             except EngineDeadError as exc:
-                return _error(503, str(exc))
+                return _error(503, _dead_message(exc))
             return StreamingResponse(
                 _stream_completion(first, gen, request_id, body, created_at=int(time.time())),
                 media_type="text/event-stream",
@@ -293,7 +404,7 @@ def build_app(
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
         except EngineDeadError as exc:
-            return _error(503, str(exc))
+            return _error(503, _dead_message(exc))
         choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for i, res in enumerate(results):
             prompt_tokens += len(res.prompt_token_ids)
@@ -389,7 +500,7 @@ def build_app(
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
         except EngineDeadError as exc:
-            return _error(503, str(exc))
+            return _error(503, _dead_message(exc))
         created_at = int(time.time())
         if body.stream:
             return StreamingResponse(
@@ -401,7 +512,7 @@ def build_app(
             async for out in gen:
                 final = out
         except EngineDeadError as exc:
-            return _error(503, str(exc))
+            return _error(503, _dead_message(exc))
         choices = [
             {
                 "index": c.index,

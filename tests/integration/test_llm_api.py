@@ -197,6 +197,9 @@ def test_bad_input_raises_and_engine_keeps_serving(llm: LLM, prompt, params, mes
         {"presence_penalty": 3.0},
         {"stop": [""]},
         {"n": 0},
+        {"top_k": 2**63},  # past int64: would fail in the engine's step, not here
+        {"seed": 2**64},
+        {"max_tokens": 2**70},
     ],
 )
 def test_invalid_sampling_params(kwargs) -> None:

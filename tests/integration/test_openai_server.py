@@ -5,76 +5,27 @@ Greedy text equals LLM.generate's for the same prompt."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from tests.integration.server_proc import ServerProcess, small_engine_flags
+
 pytestmark = pytest.mark.integration
 
 openai = pytest.importorskip("openai")
 
-ENGINE = [
-    "--dtype",
-    "float32",
-    "--kv-cache-memory-bytes",
-    str(64 * 2**20),
-    "--max-model-len",
-    "512",
-]
+ENGINE = small_engine_flags(max_model_len=512)
 KEY = "sk-test-key"
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagedinfer",
-            "serve",
-            "--port",
-            str(port),
-            "--api-key",
-            KEY,
-            *ENGINE,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    srv = ServerProcess("--api-key", KEY, *ENGINE)
+    yield srv.base
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +170,85 @@ def test_api_key_is_required(server) -> None:
     status, payload = _raw(server, "/v1/models", key=None)
     assert status == 401 and "API key" in payload["error"]["message"]
     assert _raw(server, "/v1/models", key="wrong")[0] == 401
+
+
+def test_tokenize_and_detokenize(server, client) -> None:
+    status, out = _raw(server, "/tokenize", {"model": MODEL, "prompt": "Hello world"})
+    assert status == 200 and out["count"] == len(out["tokens"]) >= 2
+    assert out["max_model_len"] == 512
+    # The ids are the ones a completion prompt gets: usage counts the same number.
+    done = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=1)
+    assert done.usage.prompt_tokens == out["count"]
+    status, back = _raw(server, "/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+    assert status == 200 and back["prompt"] == "Hello world"
+
+    messages = [{"role": "user", "content": "Hi"}]
+    status, chat = _raw(server, "/tokenize", {"messages": messages, "return_token_strs": True})
+    chat_done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert status == 200 and chat["count"] == chat_done.usage.prompt_tokens
+    assert len(chat["token_strs"]) == chat["count"]
+
+    assert _raw(server, "/tokenize", {"prompt": "x", "messages": messages})[0] == 400
+    assert _raw(server, "/tokenize", {})[0] == 400
+    status, err = _raw(server, "/detokenize", {"tokens": [1, -5, 10**6]})
+    assert status == 400 and "out of range" in err["error"]["message"]
+    assert _raw(server, "/detokenize", {"model": "nope", "tokens": [1]})[0] == 404
+
+
+def _scrape(server: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server + "/metrics", timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _metric(samples, name: str, **labels: str) -> float:
+    want = {"model_name": MODEL, **labels}
+    return sum(
+        v for (n, lab), v in samples.items() if n == name and want.items() <= dict(lab).items()
+    )
+
+
+def test_metrics_count_requests_tokens_and_latencies(server, client) -> None:
+    before = _scrape(server)
+    prompt = "The history of the printing press in Europe begins " * 8  # > 2 blocks
+    runs = [  # the second finds the first's blocks in the prefix cache
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    stop = client.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[","]
+    )
+    assert stop.choices[0].finish_reason == "stop"
+    after = _scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    P = "pagedinfer:"
+    assert delta(P + "request_success_total", finished_reason="length") == 2
+    assert delta(P + "request_success_total", finished_reason="stop") == 1
+    assert delta(P + "generation_tokens_total") == 10 + stop.usage.completion_tokens
+    prompt_tokens = sum(r.usage.prompt_tokens for r in [*runs, stop])
+    assert delta(P + "prompt_tokens_total") == prompt_tokens
+    assert delta(P + "request_prompt_tokens_sum") == prompt_tokens
+    assert delta(P + "time_to_first_token_seconds_count") == 3
+    assert delta(P + "e2e_request_latency_seconds_count") == 3
+    # 4 gaps for each 5-token request, at least one for the stop request.
+    assert delta(P + "inter_token_latency_seconds_count") >= 9
+    assert delta(P + "time_to_first_token_seconds_sum") > 0
+    assert delta(P + "request_generation_tokens_sum") == delta(P + "generation_tokens_total")
+    assert delta(P + "prefix_cache_queries_total") > 0
+    assert delta(P + "prefix_cache_hits_total") >= 32  # the repeated prompt's full blocks
+    # Idle now: nothing running or waiting, no block in use.
+    assert _metric(after, P + "num_requests_running") == 0
+    assert _metric(after, P + "num_requests_waiting") == 0
+    assert _metric(after, P + "kv_cache_usage_perc") == 0

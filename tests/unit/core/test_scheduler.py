@@ -126,6 +126,19 @@ def test_max_model_len_caps_generation() -> None:
     assert req.num_tokens == 12
 
 
+def test_max_model_len_caps_generation_even_below_min_tokens() -> None:
+    # min_tokens only holds back stop tokens; the context length is a hard cap (a request
+    # asking for more than fits used to run past max_model_len and never finish).
+    sched = create_scheduler(max_model_len=12)
+    (req,) = create_requests(1, num_tokens=10, max_tokens=20, min_tokens=20)
+    sched.add_request(req)
+    for _ in range(2):
+        so = sched.schedule()
+        eco = sched.update_from_output(so, make_output(so, sched))
+    assert str(eco.outputs[0].finish_reason) == "length"
+    assert req.num_tokens == 12 and not sched.has_unfinished_requests()
+
+
 def test_abort_frees_blocks_at_once() -> None:
     sched = create_scheduler(num_blocks=10)
     a, b = create_requests(2, num_tokens=40)

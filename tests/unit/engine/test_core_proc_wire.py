@@ -15,6 +15,7 @@ from pagedinfer.engine.core_proc import (
     config_from_json,
     config_to_json,
     decode_input,
+    reject_malformed_add,
 )
 from pagedinfer.entrypoints.llm import build_engine_config
 from pagedinfer.sampling_params import SamplingParams
@@ -66,6 +67,30 @@ def test_outputs_and_ready_round_trip() -> None:
 def test_malformed_messages_are_rejected(frames, message) -> None:
     with pytest.raises(ValueError, match=message):
         decode_input(frames)
+
+
+def test_an_add_the_engine_cannot_decode_is_answered_not_dropped() -> None:
+    """Settings valid in the front end but not once decoded (here min_tokens > max_tokens,
+    written past the constructor's checks) must finish the request with "error" rather
+    than leave its caller waiting forever."""
+    request = EngineCoreRequest(
+        request_id="r9",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=SamplingParams(max_tokens=8, min_tokens=4),
+        eos_token_id=2,
+        arrival_time=1.0,
+    )
+    request.sampling_params.min_tokens = 50
+    frames = [InputKind.ADD.value, msgspec.msgpack.encode(request)]
+    with pytest.raises(ValueError, match="min_tokens"):
+        decode_input(frames)
+    answer = reject_malformed_add(frames, ValueError("bad"))
+    assert answer is not None and len(answer.outputs) == 1
+    (out,) = answer.outputs
+    assert out.request_id == "r9" and str(out.finish_reason) == "error" and out.finished
+    # Nothing to answer when even the id is unreadable, or for other kinds of message.
+    assert reject_malformed_add([InputKind.ADD.value, b"\xc1"], ValueError()) is None
+    assert reject_malformed_add([InputKind.ABORT.value, frames[1]], ValueError()) is None
 
 
 def test_config_crosses_as_json() -> None:

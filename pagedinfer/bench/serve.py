@@ -1,0 +1,549 @@
+"""`pagedinfer bench serve`: load-test a running OpenAI-compatible server (`pagedinfer serve`).
+
+Every request streams (`stream: true`, `stream_options.include_usage`) and the client measures,
+per request: TTFT (send -> first chunk carrying text), ITL (gaps between later text chunks),
+E2EL (send -> `[DONE]`), the output tokens (the usage chunk's `completion_tokens`; the number of
+text chunks if the server sends no usage) and from them TPOT = (E2EL - TTFT) / (tokens - 1).
+Requests arrive as a Poisson process (`--request-rate`, `--burstiness`), optionally capped by
+`--max-concurrency`. A failed request (HTTP error, an SSE error event, a dropped connection) is
+recorded with its error and counted in `failed`, never in the latency statistics.
+
+Exit status: 0 when at least one request succeeded (partial failures are reported, not fatal);
+1 when every request failed (the report and result file are still written); 2 when the run
+could not start (bad options, server unreachable for the model lookup, unusable dataset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime
+from typing import Any
+
+from pagedinfer.bench.datasets import (
+    SampleRequest,
+    add_dataset_args,
+    dataset_config,
+    load_tokenizer,
+    sample_from_args,
+)
+from pagedinfer.bench.stats import (
+    LATENCY_METRICS,
+    RequestRecord,
+    ServingMetrics,
+    aggregate,
+    arrival_offsets,
+    parse_goodput,
+    parse_percentiles,
+    percentile_label,
+)
+
+__all__ = ["add_serve_args", "run_serve", "format_report", "stream_request"]
+
+_WIDTH = 50
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server options")
+    group.add_argument(
+        "--base-url",
+        default=None,
+        help="Server root, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT).",
+    )
+    group.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    group.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="/v1/completions (default) or /v1/chat/completions (token-id prompts are "
+        "decoded to text for chat).",
+    )
+    group.add_argument(
+        "--model", default=None, help="Model name to send (default: the first of GET /v1/models)."
+    )
+    group.add_argument(
+        "--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY, if set)."
+    )
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        help="GGUF file or HF directory whose tokenizer builds the dataset (default: the "
+        "default model's).",
+    )
+    add_dataset_args(parser, with_seed=True)
+    load = parser.add_argument_group("load options")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Requests per second, Poisson arrivals (default: inf, all at once).",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="Shape of the gamma-distributed gaps (mean 1/rate): 1 is Poisson, below 1 "
+        "burstier, above 1 more regular (default: 1.0).",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="At most this many requests in flight (default: no limit).",
+    )
+    load.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="Unmeasured requests sent before the run (default: 0).",
+    )
+    req = parser.add_argument_group("request options")
+    req.add_argument(
+        "--ignore-eos", action="store_true", help="Send ignore_eos: generate max_tokens tokens."
+    )
+    req.add_argument("--temperature", type=float, default=0.0, help="(default: 0.0, greedy)")
+    out = parser.add_argument_group("report options")
+    out.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help="Comma-separated metrics to report: ttft, tpot, itl, e2el (default: ttft,tpot,itl).",
+    )
+    out.add_argument(
+        "--metric-percentiles",
+        default="99",
+        help="Comma-separated percentiles to report, e.g. 50,90,99 (default: 99).",
+    )
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:2000; goodput counts the requests per "
+        "second that meet all of them.",
+    )
+    out.add_argument("--save-result", action="store_true", help="Write the results as JSON.")
+    out.add_argument(
+        "--result-dir", default=None, help="Folder of the result file (default: current)."
+    )
+    out.add_argument(
+        "--result-filename",
+        default=None,
+        help="Result file name (default: bench-serve-MODEL-DATASET-RATEqps-CONC-TIME.json).",
+    )
+    out.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+
+
+# ------------------------------------------------------------------------------------ requests
+
+
+def _is_chat(endpoint: str) -> bool:
+    return endpoint.rstrip("/").endswith("chat/completions")
+
+
+def _error_text(status: int, body: str) -> str:
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.strip()[:500]
+    return f"HTTP {status}: {message}"
+
+
+def build_payload(
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    *,
+    chat: bool,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+) -> dict[str, Any]:
+    """The JSON body of one streamed request (chat prompts must be text)."""
+    body: dict[str, Any] = {"model": model}
+    if chat:
+        if not isinstance(prompt, str):
+            raise TypeError("chat prompts must be text")
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    body.update(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _chunk_text(obj: dict[str, Any], chat: bool) -> str:
+    text = ""
+    for choice in obj.get("choices") or ():
+        if chat:
+            text += (choice.get("delta") or {}).get("content") or ""
+        else:
+            text += choice.get("text") or ""
+    return text
+
+
+async def stream_request(
+    session: Any,
+    url: str,
+    headers: dict[str, str],
+    payload: dict[str, Any],
+    prompt_len: int,
+    chat: bool,
+) -> RequestRecord:
+    """Send one streaming request and time it; never raises for request-level failures."""
+    import aiohttp
+
+    rec = RequestRecord(prompt_len=prompt_len)
+    text_chunks = 0
+    first_choice_at: float | None = None
+    usage_tokens: int | None = None
+    done = False
+    start = last = time.perf_counter()
+    rec.start_time = start
+
+    def handle(line: bytes) -> bool:
+        """Process one SSE line; True when the stream is over (done or failed)."""
+        nonlocal text_chunks, first_choice_at, usage_tokens, done, last
+        text = line.decode("utf-8").strip()
+        if not text.startswith("data:"):
+            return False  # blank separator, comment or other SSE field
+        data = text[5:].strip()
+        now = time.perf_counter()
+        if data == "[DONE]":
+            rec.e2el = now - start
+            done = True
+            return True
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            return False
+        if obj.get("error"):
+            err = obj["error"]
+            rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            return True
+        if obj.get("choices") and first_choice_at is None:
+            first_choice_at = now
+        if _chunk_text(obj, chat):
+            if text_chunks == 0:
+                rec.ttft = now - start
+            else:
+                rec.itl.append(now - last)
+            last = now
+            text_chunks += 1
+        usage = obj.get("usage")
+        if usage:
+            usage_tokens = usage.get("completion_tokens")
+            if usage.get("prompt_tokens"):
+                rec.prompt_len = int(usage["prompt_tokens"])
+        return False
+
+    try:
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                rec.error = _error_text(resp.status, await resp.text())
+                return rec
+            buf = b""
+            finished = False
+            async for piece in resp.content.iter_any():
+                buf += piece
+                while not finished and b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    finished = handle(line)
+                if finished:
+                    break
+            if not finished and buf:
+                handle(buf)
+    except (
+        aiohttp.ClientError,
+        asyncio.TimeoutError,
+        OSError,
+        ValueError,  # also JSON and UTF-8 decoding errors
+        TypeError,
+        AttributeError,
+        KeyError,
+    ) as exc:  # a malformed stream fails the request, not the run
+        rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return rec
+    if rec.error:
+        return rec
+    if not done:
+        rec.error = "the stream ended before [DONE]"
+        return rec
+    if text_chunks == 0:  # nothing but empty text (e.g. an immediate EOS)
+        rec.ttft = (first_choice_at or time.perf_counter()) - start
+    rec.output_tokens = int(usage_tokens) if usage_tokens is not None else text_chunks
+    rec.success = True
+    return rec
+
+
+# ----------------------------------------------------------------------------------- the run
+
+
+def _normalize_base_url(ns: argparse.Namespace) -> str:
+    base = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
+    if base.endswith("/v1") and ns.endpoint.startswith("/v1/"):
+        base = base[: -len("/v1")]  # accept http://host:port/v1 as well
+    return base
+
+
+def _fetch_model(base: str, headers: dict[str, str]) -> str:
+    req = urllib.request.Request(base + "/v1/models", headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        body = json.loads(resp.read())
+    data = body.get("data") or []
+    if not data:
+        raise ValueError(f"{base}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+@dataclasses.dataclass
+class _Job:
+    payload: dict[str, Any]
+    prompt_len: int
+
+
+async def _send_one(session: Any, url: str, headers: dict[str, str], job: _Job, chat: bool):
+    return await stream_request(session, url, headers, job.payload, job.prompt_len, chat)
+
+
+async def _run_load(
+    jobs: list[_Job],
+    warmup: list[_Job],
+    url: str,
+    headers: dict[str, str],
+    chat: bool,
+    offsets: list[float],
+    max_concurrency: int | None,
+    disable_tqdm: bool,
+) -> tuple[list[RequestRecord], float]:
+    import aiohttp
+    from tqdm import tqdm
+
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def send(job: _Job) -> RequestRecord:
+            if sem is None:
+                return await _send_one(session, url, headers, job, chat)
+            async with sem:
+                return await _send_one(session, url, headers, job, chat)
+
+        if warmup:
+            print(f"Warming up with {len(warmup)} request(s)...", file=sys.stderr)
+            results = await asyncio.gather(*(send(j) for j in warmup))
+            bad = [r.error for r in results if not r.success]
+            if bad:
+                print(f"warning: {len(bad)} warm-up request(s) failed: {bad[0]}", file=sys.stderr)
+
+        bar = tqdm(total=len(jobs), desc="Requests", disable=disable_tqdm, dynamic_ncols=True)
+        t0 = time.perf_counter()
+
+        async def one(job: _Job, offset: float) -> RequestRecord:
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = await send(job)
+            rec.start_time -= t0  # when it was really sent (after any concurrency wait)
+            bar.update(1)
+            return rec
+
+        records = await asyncio.gather(*(one(j, o) for j, o in zip(jobs, offsets)))
+        duration = time.perf_counter() - t0
+        bar.close()
+    return list(records), duration
+
+
+def format_report(
+    metrics: ServingMetrics,
+    *,
+    request_rate: float,
+    max_concurrency: int | None,
+    percentiles: list[float],
+) -> str:
+    def row(label: str, value: Any, fmt: str = "") -> str:
+        text = format(value, fmt) if fmt else str(value)
+        return f"{label:<40}{text:<10}"
+
+    lines = [
+        f"{' Serving Benchmark Result ':=^{_WIDTH}}",
+        row("Successful requests:", metrics.completed),
+        row("Failed requests:", metrics.failed),
+        row("Maximum request concurrency:", max_concurrency or "none"),
+        row("Traffic request rate (req/s):", f"{request_rate:g}"),
+        row("Benchmark duration (s):", metrics.duration, ".2f"),
+        row("Total input tokens:", metrics.total_input_tokens),
+        row("Total generated tokens:", metrics.total_output_tokens),
+        row("Request throughput (req/s):", metrics.request_throughput, ".2f"),
+    ]
+    if metrics.request_goodput is not None:
+        lines.append(row("Request goodput (req/s):", metrics.request_goodput, ".2f"))
+    lines += [
+        row("Output token throughput (tok/s):", metrics.output_throughput, ".2f"),
+        row("Total token throughput (tok/s):", metrics.total_token_throughput, ".2f"),
+    ]
+    for metric, values in metrics.latency.items():
+        name = metric.upper()
+        lines.append(f"{' ' + LATENCY_METRICS[metric] + ' ':-^{_WIDTH}}")
+        lines.append(row(f"Mean {name} (ms):", values["mean"], ".2f"))
+        lines.append(row(f"Median {name} (ms):", values["median"], ".2f"))
+        for p in percentiles:
+            label = percentile_label(p)
+            lines.append(row(f"P{label[1:]} {name} (ms):", values[label], ".2f"))
+    lines.append("=" * _WIDTH)
+    return "\n".join(lines)
+
+
+def _result_path(ns: argparse.Namespace, model: str) -> str:
+    name = ns.result_filename
+    if not name:
+        rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}"
+        conc = f"-c{ns.max_concurrency}" if ns.max_concurrency else ""
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        safe_model = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
+        name = f"bench-serve-{safe_model}-{ns.dataset_name}-{rate}qps{conc}-{stamp}.json"
+    return os.path.join(ns.result_dir or ".", name)
+
+
+def _validate(ns: argparse.Namespace) -> tuple[list[str], list[float], dict[str, float]]:
+    metrics = [m.strip().lower() for m in ns.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in LATENCY_METRICS]
+    if unknown or not metrics:
+        raise ValueError(
+            f"--percentile-metrics: unknown {unknown or 'empty'}; choose from "
+            + ", ".join(LATENCY_METRICS)
+        )
+    percentiles = parse_percentiles(ns.metric_percentiles)
+    slos = parse_goodput(ns.goodput)
+    if ns.num_prompts <= 0:
+        raise ValueError("--num-prompts must be > 0")
+    if not ns.request_rate > 0:
+        raise ValueError("--request-rate must be > 0 (inf: all at once)")
+    if not ns.burstiness > 0:
+        raise ValueError("--burstiness must be > 0")
+    if ns.max_concurrency is not None and ns.max_concurrency <= 0:
+        raise ValueError("--max-concurrency must be > 0")
+    if ns.warmup_requests < 0:
+        raise ValueError("--warmup-requests must be >= 0")
+    return metrics, percentiles, slos
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    try:
+        metrics_names, percentiles, slos = _validate(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    base = _normalize_base_url(ns)
+    endpoint = ns.endpoint if ns.endpoint.startswith("/") else "/" + ns.endpoint
+    url = base + endpoint
+    chat = _is_chat(endpoint)
+    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    model = ns.model
+    if model is None:
+        try:
+            model = _fetch_model(base, headers)
+        except (OSError, ValueError, KeyError, urllib.error.URLError) as exc:
+            print(f"error: cannot list the models at {base}/v1/models: {exc}", file=sys.stderr)
+            return 2
+    try:
+        tokenizer = load_tokenizer(ns.tokenizer)
+        samples: list[SampleRequest] = sample_from_args(ns, tokenizer)
+    except (OSError, ValueError) as exc:
+        print(f"error: dataset: {exc}", file=sys.stderr)
+        return 2
+
+    def job(s: SampleRequest) -> _Job:
+        prompt = s.prompt
+        if chat and not isinstance(prompt, str):
+            prompt = tokenizer.decode(prompt)
+        payload = build_payload(
+            model,
+            prompt,
+            s.expected_output_len,
+            chat=chat,
+            temperature=ns.temperature,
+            ignore_eos=ns.ignore_eos,
+        )
+        return _Job(payload, s.prompt_len)
+
+    jobs = [job(s) for s in samples]
+    warmup = [jobs[i % len(jobs)] for i in range(ns.warmup_requests)]
+    offsets = arrival_offsets(len(jobs), ns.request_rate, ns.burstiness, ns.seed)
+    print(
+        f"Benchmarking {url} (model {model}): {len(jobs)} {ns.dataset_name} requests, "
+        f"rate {ns.request_rate:g} req/s, burstiness {ns.burstiness:g}, "
+        f"max concurrency {ns.max_concurrency or 'none'}",
+        file=sys.stderr,
+    )
+    started_at = datetime.now().isoformat(timespec="seconds")
+    records, duration = asyncio.run(
+        _run_load(jobs, warmup, url, headers, chat, offsets, ns.max_concurrency, ns.disable_tqdm)
+    )
+    metrics = aggregate(records, duration, percentiles, metrics_names, slos or None)
+    print(
+        format_report(
+            metrics,
+            request_rate=ns.request_rate,
+            max_concurrency=ns.max_concurrency,
+            percentiles=percentiles,
+        ),
+        flush=True,
+    )
+
+    if ns.save_result:
+        result: dict[str, Any] = {
+            "date": started_at,
+            "base_url": base,
+            "endpoint": endpoint,
+            "model": model,
+            "tokenizer": ns.tokenizer,
+            **dataset_config(ns),
+            "request_rate": ns.request_rate if math.isfinite(ns.request_rate) else "inf",
+            "burstiness": ns.burstiness,
+            "max_concurrency": ns.max_concurrency,
+            "warmup_requests": ns.warmup_requests,
+            "ignore_eos": ns.ignore_eos,
+            "temperature": ns.temperature,
+            "percentile_metrics": metrics_names,
+            "metric_percentiles": percentiles,
+            "goodput_slos_ms": slos,
+            **metrics.to_dict(),
+            "input_lens": [r.prompt_len for r in records],
+            "output_lens": [r.output_tokens for r in records],
+            "ttfts": [r.ttft for r in records],
+            "tpots": [r.tpot or 0.0 for r in records],
+            "itls": [r.itl for r in records],
+            "e2els": [r.e2el for r in records],
+            "start_times": [r.start_time for r in records],
+            "errors": [r.error for r in records],
+        }
+        path = _result_path(ns, model)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        print(f"Results saved to {path}", file=sys.stderr)
+
+    if metrics.completed == 0:
+        first = next((r.error for r in records if r.error), "unknown error")
+        print(f"error: all {len(records)} requests failed; first error: {first}", file=sys.stderr)
+        return 1
+    if metrics.failed:
+        first = next(r.error for r in records if not r.success)
+        print(f"warning: {metrics.failed} request(s) failed; first: {first}", file=sys.stderr)
+    return 0
