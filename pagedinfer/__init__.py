@@ -11,7 +11,18 @@ configure_matmul_caches()  # before any matmul runs; see pagedinfer/platform.py
 
 from pagedinfer.entrypoints.llm import LLM
 from pagedinfer.outputs import CompletionOutput, RequestOutput
-from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+from pagedinfer.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestOutputKind",
+]
 __version__ = "0.1.0"

@@ -14,7 +14,14 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
-__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "EngineConfig"]
+__all__ = [
+    "ModelConfig",
+    "CacheConfig",
+    "SchedulerConfig",
+    "ObservabilityConfig",
+    "StructuredOutputsConfig",
+    "EngineConfig",
+]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -92,11 +99,28 @@ class ObservabilityConfig:
 
 
 @dataclass(config=_FROZEN)
+class StructuredOutputsConfig:
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
+    """Grammar engine for guided decoding: "xgrammar", "guidance" (llguidance), or "auto":
+    xgrammar, and llguidance for a spec xgrammar cannot compile (some JSON-schema features,
+    Lark grammars)."""
+    disable_any_whitespace: bool = False
+    """Guided JSON without optional whitespace, for every request."""
+    disable_additional_properties: bool = False
+    """Guided JSON schemas that do not say otherwise get `additionalProperties: false`."""
+    structured_outputs_compile_timeout_s: float = Field(default=60.0, gt=0)
+    """A grammar still compiling after this long fails its request (alone)."""
+
+
+@dataclass(config=_FROZEN)
 class EngineConfig:
     model_config: ModelConfig = Field(default_factory=ModelConfig)
     cache_config: CacheConfig = Field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
     observability_config: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    structured_outputs_config: StructuredOutputsConfig = Field(
+        default_factory=StructuredOutputsConfig
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

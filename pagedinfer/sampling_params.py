@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["SamplingParams", "RequestOutputKind", "SamplingType"]
+__all__ = ["SamplingParams", "RequestOutputKind", "SamplingType", "StructuredOutputsParams"]
 
 _GREEDY_EPS = 1e-5
 _MAX_LOGIT_BIAS = 100.0
@@ -39,6 +39,54 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Constrain a request's output to a grammar: exactly one of `json`, `json_object`,
+    `regex`, `choice`, `grammar` (vLLM's names). Compiled by the engine's structured-output
+    backend (`structured_outputs_config.backend`); an invalid spec is a ValueError in the
+    front end, before the request is queued."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (a dict or its JSON text): the output is a JSON value that matches it."""
+    json_object: bool | None = None
+    """True: the output is any JSON object."""
+    regex: str | None = None
+    """The output matches this regular expression in full."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A grammar: EBNF/GBNF (`root ::= ...`, both backends) or Lark (`start: ...`, through
+    llguidance)."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact); also an engine-wide option."""
+    disable_additional_properties: bool = False
+    """Schemas that do not say otherwise get `additionalProperties: false`."""
+    resolved_backend: str | None = None
+    """Set by the front end: the backend that validated the spec ("xgrammar" or
+    "guidance"; with the engine's "auto", the one that can take it). Not for users."""
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object is not None else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs need exactly one of json, json_object, regex, choice "
+                f"and grammar; got {', '.join(given) or 'none'}."
+            )
+        if self.json_object is False:
+            raise ValueError("structured outputs: json_object must be true if given.")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured outputs: choice needs a list of non-empty strings.")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                raise ValueError(f"structured outputs: {name} must not be empty.")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -92,6 +140,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """CUMULATIVE, DELTA or FINAL_ONLY outputs when streaming."""
     extra_args: dict[str, Any] | None = None
     """Free-form extension point (e.g. kv_transfer_params in later features)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Guided decoding: the output follows a JSON schema, regex, choice or grammar."""
 
     # Derived at construction, not user-facing.
     all_stop_token_ids: set[int] = msgspec.field(default_factory=set)

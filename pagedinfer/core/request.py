@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagedinfer.core.messages import EngineCoreRequest, FinishReason
 from pagedinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedinfer.structured_output.manager import StructuredOutputRequest
 
 __all__ = ["Request", "RequestStatus"]
 
@@ -85,6 +89,8 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
+        # Guided decoding: the grammar being compiled / in use (structured_output/manager.py).
+        self.structured_output_request: StructuredOutputRequest | None = None
         # True while the scheduled chunk does not reach the end of the known tokens.
         self.is_prefill_chunk = False
         # Prefix caching: hashes of the full blocks of all_token_ids, kept up to date as

@@ -23,6 +23,7 @@ Called by `engine.core.EngineCore`; pure Python, no torch.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedinfer.config import CacheConfig, SchedulerConfig
 from pagedinfer.core.block_pool import KVCacheBlock
@@ -42,6 +43,9 @@ from pagedinfer.core.sched_output import (
     SchedulerOutput,
 )
 from pagedinfer.core.trace import StepTracer
+
+if TYPE_CHECKING:
+    from pagedinfer.structured_output.manager import StructuredOutputManager
 
 __all__ = ["Scheduler", "check_stop"]
 
@@ -72,6 +76,11 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Optional step recorder (core/trace.py), set by the engine core.
         self.tracer: StepTracer | None = None
+        # Guided decoding (structured_output/manager.py), set by the engine core.
+        self.structured_output_manager: StructuredOutputManager | None = None
+        # Requests finished while waiting (a grammar that failed to compile): reported by
+        # the next update_from_output.
+        self._finished_waiting: list[Request] = []
 
     # ------------------------------------------------------------------ requests in/out
 
@@ -165,6 +174,7 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests, only if this step preempted nothing.
+        skipped: list[Request] = []  # grammars still compiling: they keep their place
         if not preempted:
             while (
                 len(self.waiting) > 0
@@ -172,6 +182,20 @@ class Scheduler:
                 and len(self.running) < self.max_num_running_reqs
             ):
                 request = self.waiting.peek()
+                if request.status == RequestStatus.WAITING_FOR_FSM:
+                    so = request.structured_output_request
+                    assert so is not None
+                    if not so.is_ready():
+                        skipped.append(self.waiting.pop())
+                        continue
+                    self.waiting.pop()
+                    if so.error is not None:
+                        request.status = RequestStatus.FINISHED_ERROR
+                        request.stop_reason = f"structured outputs: {so.error}"
+                        self._finished_waiting.append(request)
+                        continue
+                    request.status = RequestStatus.WAITING
+                    self.waiting.prepend(request)
                 computed_blocks: list[KVCacheBlock] = []
                 num_computed = request.num_computed_tokens
                 if num_computed == 0:
@@ -202,6 +226,9 @@ class Scheduler:
                 scheduled_new.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
@@ -296,6 +323,13 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if check_stop(request, self.max_model_len):
                     break
+                if (
+                    request.structured_output_request is not None
+                    and self.structured_output_manager is not None
+                    and self.structured_output_manager.accept_token(request, token_id)
+                ):
+                    request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+                    break
             prompt_logprobs = runner_output.prompt_logprobs_dict.get(req_id)
             if not new_token_ids and prompt_logprobs is None and not request.is_finished():
                 continue
@@ -319,6 +353,20 @@ class Scheduler:
             )
             if request.is_finished():
                 stopped.append(request)
+
+        for request in self._finished_waiting:
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                )
+            )
+            self.kv_cache_manager.free(request)
+            self.finished_req_ids.add(request.request_id)
+            del self.requests[request.request_id]
+        self._finished_waiting = []
 
         if stopped:
             stopped_ids = {r.request_id for r in stopped}

@@ -83,7 +83,12 @@ class AsyncLLM:
         )
         info = self.engine_core.info
         self.max_model_len = info.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            info.vocab_size,
+            info.max_model_len,
+            config.structured_outputs_config,
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.stats = EngineStats(config.observability_config.log_stats_interval_s)
         self.stat_loggers: list[StatLogger] = []

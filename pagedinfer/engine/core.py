@@ -13,12 +13,14 @@ scheduler. The derived values are kept here (never written back into the frozen 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.kv_cache_utils import BlockHasher, get_hash_fn
 from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedinfer.core.request import Request, RequestStatus
+from pagedinfer.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT
 from pagedinfer.core.scheduler import Scheduler
 from pagedinfer.core.trace import StepTracer
 from pagedinfer.executor.base import Executor, ModelInfo
@@ -49,6 +51,12 @@ class EngineCore:
             self.block_hasher = BlockHasher(
                 block_size, get_hash_fn(cache_config.prefix_caching_hash_algo)
             )
+        from pagedinfer.structured_output.manager import StructuredOutputManager
+
+        self.structured_output_manager = StructuredOutputManager(
+            config, info.vocab_size, config.scheduler_config.max_num_seqs
+        )
+        self.scheduler.structured_output_manager = self.structured_output_manager
         # Set when anything changed the scheduler since the last snapshot sent while idle.
         self._stats_dirty = False
         self.tracer: StepTracer | None = None
@@ -102,7 +110,11 @@ class EngineCore:
         return min(info.max_position_embeddings, capacity)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+        req = Request.from_engine_core_request(request, self.block_hasher)
+        if req.sampling_params.structured_outputs is not None:
+            req.status = RequestStatus.WAITING_FOR_FSM
+            self.structured_output_manager.grammar_init(req)
+        self.scheduler.add_request(req)
         self._stats_dirty = True
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -147,10 +159,20 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Only requests whose grammar is still compiling (or that just failed): nothing
+            # to run. Yield the CPU to the compile threads instead of spinning.
+            outputs = self.scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
+            if not outputs.outputs:
+                time.sleep(0.001)
+            return outputs
         runner_output = self.executor.execute_model(scheduler_output)
         if runner_output is None:
-            # Structured outputs will compute the grammar bitmask here, while a device runs.
-            runner_output = self.executor.sample_tokens(None)
+            # The grammar bitmask is filled here, while a device (if any) runs the model.
+            grammar_output = self.structured_output_manager.grammar_bitmask(
+                self.scheduler.requests, scheduler_output
+            )
+            runner_output = self.executor.sample_tokens(grammar_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._stats_dirty = True
         if self.tracer is not None:
@@ -161,6 +183,7 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         if self.tracer is not None:
             self.tracer.close()
         self.executor.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Union
 
+from pagedinfer.config import StructuredOutputsConfig
 from pagedinfer.core.messages import EngineCoreRequest
 from pagedinfer.sampling_params import SamplingParams
 from pagedinfer.tokenizer import Tokenizer
@@ -24,11 +25,20 @@ MAX_LOGPROBS = 20
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        structured_outputs_config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = tokenizer.eos_token_id
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
+        # (backend, whitespace, additional properties) -> a backend that validates specs
+        self._validators: dict[tuple[str, bool, bool], Any] = {}
 
     def process(
         self,
@@ -42,6 +52,8 @@ class InputProcessor:
         text, token_ids, cache_salt = self._tokenize(prompt)
         self._validate(token_ids, params)
         params = params.clone()
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         if params.top_k >= self.vocab_size:
             params.top_k = 0  # keeps the whole vocabulary either way; 0 says so cheaply
         if params.max_tokens is None:
@@ -112,3 +124,46 @@ class InputProcessor:
                     f"{name} contains token id {bad[0]}, outside the vocabulary "
                     f"(size {self.vocab_size})."
                 )
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Validate the grammar spec here (a 400, not an engine error) and record which
+        backend takes it: the engine's, or with "auto" xgrammar unless it cannot compile
+        the spec, then llguidance (vLLM's fallback)."""
+        from pagedinfer.structured_output.backend import create_backend, resolve_auto_backend
+        from pagedinfer.structured_output.manager import spec_key
+
+        so = params.structured_outputs
+        assert so is not None
+        if so.resolved_backend is not None:
+            raise ValueError(
+                "structured outputs: the backend is chosen per engine, not per request."
+            )
+        kind, spec = spec_key(so)
+        cfg = self.structured_outputs_config
+        whitespace = so.disable_any_whitespace or cfg.disable_any_whitespace
+        additional = so.disable_additional_properties or cfg.disable_additional_properties
+        try:
+            if cfg.structured_outputs_backend == "auto":
+                so.resolved_backend = resolve_auto_backend(
+                    kind,
+                    spec,
+                    disable_any_whitespace=whitespace,
+                    disable_additional_properties=additional,
+                )
+                return
+            name = cfg.structured_outputs_backend
+            key = (name, whitespace, additional)
+            validator = self._validators.get(key)
+            if validator is None:
+                validator = create_backend(
+                    name,  # type: ignore[arg-type]
+                    self.tokenizer,
+                    self.vocab_size,
+                    disable_any_whitespace=whitespace,
+                    disable_additional_properties=additional,
+                )
+                self._validators[key] = validator
+            validator.validate(kind, spec)
+            so.resolved_backend = name
+        except ValueError as exc:
+            raise ValueError(f"Invalid structured outputs ({kind.name.lower()}): {exc}") from exc

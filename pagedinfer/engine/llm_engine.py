@@ -122,7 +122,10 @@ class LLMEngine:
         self.engine_core = EngineCore(config, executor_class)
         self.max_model_len = self.engine_core.max_model_len
         self.input_processor = InputProcessor(
-            self.tokenizer, self.engine_core.model_info.vocab_size, self.max_model_len
+            self.tokenizer,
+            self.engine_core.model_info.vocab_size,
+            self.max_model_len,
+            config.structured_outputs_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.stats = EngineStats(config.observability_config.log_stats_interval_s)

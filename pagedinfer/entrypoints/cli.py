@@ -15,12 +15,24 @@ import time
 import typing
 from typing import Any
 
-from pagedinfer.config import CacheConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
+from pagedinfer.config import (
+    CacheConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["main", "build_parser"]
 
-_ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ObservabilityConfig)
+_ENGINE_SECTIONS = (
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ObservabilityConfig,
+    StructuredOutputsConfig,
+)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from pagedinfer.config import (
     ModelConfig,
     ObservabilityConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from pagedinfer.engine.input_processor import PromptType
 from pagedinfer.engine.llm_engine import LLMEngine
@@ -41,6 +42,7 @@ _SECTIONS = (
     ("cache_config", CacheConfig),
     ("scheduler_config", SchedulerConfig),
     ("observability_config", ObservabilityConfig),
+    ("structured_outputs_config", StructuredOutputsConfig),
 )
 
 
@@ -122,8 +124,12 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def get_stats(self) -> dict[str, float]:
-        """Scheduler and throughput figures since the engine started."""
-        return self.llm_engine.stats.as_dict()
+        """Scheduler and throughput figures since the engine started, and the guided-decoding
+        counters (grammar_compiles, grammar_cache_hits, bitmask_time_s, bitmask_steps)."""
+        return {
+            **self.llm_engine.stats.as_dict(),
+            **self.llm_engine.engine_core.structured_output_manager.stats(),
+        }
 
     def _run(
         self,

@@ -32,7 +32,11 @@ from pagedinfer.engine.async_llm import AsyncLLM
 from pagedinfer.engine.core_client import EngineDeadError
 from pagedinfer.engine.metrics import PrometheusStatLogger
 from pagedinfer.outputs import CompletionOutput, RequestOutput
-from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+from pagedinfer.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = ["build_app", "DEFAULT_MODEL_NAME"]
 
@@ -41,6 +45,37 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's `structured_outputs` request field (the same names as StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -65,6 +100,46 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Guided decoding: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        given = {
+            "response_format": self.response_format is not None
+            and self.response_format.type != "text",
+            "structured_outputs": self.structured_outputs is not None,
+            "guided_json": self.guided_json is not None,
+            "guided_regex": self.guided_regex is not None,
+            "guided_choice": self.guided_choice is not None,
+            "guided_grammar": self.guided_grammar is not None,
+        }
+        named = [k for k, v in given.items() if v]
+        if len(named) > 1:
+            raise ValueError(f"give at most one of {', '.join(named)}")
+        if not named:
+            return None
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            return StructuredOutputsParams(**fields)
+        if self.response_format is not None:
+            if self.response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            fmt = self.response_format.json_schema
+            if fmt is None or fmt.json_schema is None:
+                raise ValueError("response_format: json_schema needs a 'schema'")
+            return StructuredOutputsParams(json=fmt.json_schema)
+        return StructuredOutputsParams(
+            json=self.guided_json,
+            regex=self.guided_regex,
+            choice=self.guided_choice,
+            grammar=self.guided_grammar,
+        )
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -92,6 +167,7 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -158,9 +234,20 @@ def _dead_message(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or ["The engine core is dead."])[0]
 
 
-def _sse_error(exc: BaseException) -> str:
-    body = {"error": {"message": _dead_message(exc), "type": "ServiceUnavailableError",
-                      "code": 503}}  # fmt: skip
+def _failure(results: list[RequestOutput]) -> str | None:
+    """The engine's message for a request it finished with an error (e.g. a grammar that
+    failed to compile), or None."""
+    for res in results:
+        for c in res.outputs:
+            if c.finish_reason == "error":
+                return str(c.stop_reason or "the request failed in the engine")
+    return None
+
+
+def _sse_error(exc: BaseException | str, status: int = 503) -> str:
+    message = exc if isinstance(exc, str) else _dead_message(exc)
+    kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
+    body = {"error": {"message": message, "type": kind, "code": status}}
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -405,6 +492,8 @@ def build_app(
             return _error(400, str(exc))
         except EngineDeadError as exc:
             return _error(503, _dead_message(exc))
+        if (failed := _failure(results)) is not None:
+            return _error(400, failed)
         choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for i, res in enumerate(results):
             prompt_tokens += len(res.prompt_token_ids)
@@ -446,8 +535,15 @@ def build_app(
             return event([choice(out, c) for c in out.outputs])
 
         try:
+            for out in (first,):
+                if (failed := _failure([out])) is not None:
+                    yield _sse_error(failed, 400)
+                    return
             yield chunk(first)
             async for out in gen:
+                if (failed := _failure([out])) is not None:
+                    yield _sse_error(failed, 400)
+                    return
                 cached = max(cached, out.num_cached_tokens)
                 yield chunk(out)
         except EngineDeadError as exc:
@@ -513,6 +609,8 @@ def build_app(
                 final = out
         except EngineDeadError as exc:
             return _error(503, _dead_message(exc))
+        if (failed := _failure([final])) is not None:
+            return _error(400, failed)
         choices = [
             {
                 "index": c.index,

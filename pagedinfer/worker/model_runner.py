@@ -249,6 +249,8 @@ class ModelRunner:
         logprobs_lists = None
         if step.logits is not None:
             states = [self.requests[r] for r in step.sampling_req_ids]
+            if grammar_output is not None:
+                self._apply_grammar_bitmask(step.logits, step.sampling_req_ids, grammar_output)
             metadata = self._sampling_metadata(states)
             out = self.sampler(step.logits, metadata)
             token_ids = out.sampled_token_ids.tolist()
@@ -266,6 +268,28 @@ class ModelRunner:
             logprobs=logprobs_lists,
             prompt_logprobs_dict=step.prompt_logprobs,
         )
+
+    @staticmethod
+    def _apply_grammar_bitmask(
+        logits: torch.Tensor, sampling_req_ids: list[str], grammar_output
+    ) -> None:
+        """Disallowed tokens of the structured requests' rows -> -inf (before sampling, so
+        penalties, temperature and top-k/p only ever see allowed tokens). The mask's rows
+        are in the scheduler's batch order; map them to this step's logits rows."""
+        from pagedinfer.structured_output.backend import apply_token_bitmask
+
+        row_of = {req_id: i for i, req_id in enumerate(sampling_req_ids)}
+        rows = [row_of[r] for r in grammar_output.req_ids if r in row_of]
+        if not rows:
+            return
+        mask = torch.from_numpy(grammar_output.bitmask)
+        if len(rows) != len(grammar_output.req_ids):
+            keep = [i for i, r in enumerate(grammar_output.req_ids) if r in row_of]
+            mask = mask[keep]
+        index = torch.tensor(rows)
+        sub = logits.index_select(0, index)
+        apply_token_bitmask(sub, mask)
+        logits.index_copy_(0, index, sub)
 
     @staticmethod
     def _scatter_logprobs(

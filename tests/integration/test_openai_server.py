@@ -252,3 +252,47 @@ def test_metrics_count_requests_tokens_and_latencies(server, client) -> None:
     assert _metric(after, P + "num_requests_running") == 0
     assert _metric(after, P + "num_requests_waiting") == 0
     assert _metric(after, P + "kv_cache_usage_perc") == 0
+
+
+def test_guided_decoding_fields(server, client) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}, "pop": {"type": "integer"}},
+        "required": ["city", "pop"],
+        "additionalProperties": False,
+    }
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city as JSON."}], max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )  # fmt: skip
+    value = json.loads(chat.choices[0].message.content)
+    assert set(value) == {"city", "pop"} and isinstance(value["pop"], int)
+    obj = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content":
+                               'Return a JSON object with a single key "ok" set to true.'}],
+        max_tokens=200,
+        temperature=0, response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = client.completions.create(
+        model=MODEL, prompt="The best fruit is", max_tokens=8, temperature=0,
+        extra_body={"guided_choice": ["apple", "pear"]},
+    )  # fmt: skip
+    assert pick.choices[0].text in {"apple", "pear"}
+    digits = client.completions.create(
+        model=MODEL, prompt="My PIN is", max_tokens=8, temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{4}"}},
+    )  # fmt: skip
+    assert digits.choices[0].text.isdigit() and len(digits.choices[0].text) == 4
+
+    status, err = _raw(
+        server, "/v1/completions",
+        {"model": MODEL, "prompt": "x", "guided_json": '{"type": "object", "properties": '},
+    )  # fmt: skip
+    assert status == 400 and "structured outputs" in err["error"]["message"].lower()
+    status, err = _raw(
+        server, "/v1/completions",
+        {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+    )  # fmt: skip
+    assert status == 400 and "at most one" in err["error"]["message"]

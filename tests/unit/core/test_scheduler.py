@@ -213,3 +213,50 @@ def test_priority_policy_orders_waiting_and_preempts_worst() -> None:
     # b was added first but has the worse priority: it is the victim.
     assert so.preempted_req_ids == {"1"}
     assert list(so.num_scheduled_tokens) == ["0"]
+
+
+class _FakeGrammarRequest:
+    """Stands in for a StructuredOutputRequest whose compile the test finishes by hand."""
+
+    def __init__(self) -> None:
+        self.grammar = None
+        self.error: str | None = None
+        self.ready = False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+def test_request_waiting_for_its_grammar_keeps_its_place_and_blocks_nobody() -> None:
+    sched = create_scheduler()
+    fsm, plain = create_requests(2)
+    fsm.status = RequestStatus.WAITING_FOR_FSM
+    fsm.structured_output_request = _FakeGrammarRequest()  # type: ignore[assignment]
+    sched.add_request(fsm)
+    sched.add_request(plain)
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == [plain.request_id]  # the other one went ahead
+    assert fsm.status == RequestStatus.WAITING_FOR_FSM and sched.waiting.peek() is fsm
+    sched.update_from_output(so, make_output(so, sched))
+    fsm.structured_output_request.ready = True  # type: ignore[union-attr]
+    so = sched.schedule()
+    assert fsm.request_id in so.num_scheduled_tokens and fsm.status == RequestStatus.RUNNING
+
+
+def test_request_whose_grammar_failed_finishes_alone_with_the_error() -> None:
+    sched = create_scheduler()
+    bad, plain = create_requests(2)
+    bad.status = RequestStatus.WAITING_FOR_FSM
+    failed = _FakeGrammarRequest()
+    failed.ready, failed.error = True, "ValueError: bad schema"
+    bad.structured_output_request = failed  # type: ignore[assignment]
+    sched.add_request(bad)
+    sched.add_request(plain)
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == [plain.request_id]
+    eco = sched.update_from_output(so, make_output(so, sched))
+    errors = [o for o in eco.outputs if o.request_id == bad.request_id]
+    assert len(errors) == 1 and str(errors[0].finish_reason) == "error"
+    assert "bad schema" in str(errors[0].stop_reason)
+    assert bad.request_id not in sched.requests and len(sched.waiting) == 0
+    assert bad.request_id in sched.finished_req_ids

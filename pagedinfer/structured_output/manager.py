@@ -1,0 +1,241 @@
+"""The engine side of guided decoding: compile grammars off the step loop, fill the bitmask.
+
+Flow of one structured request (vLLM's design, seed 000 chapter 3):
+1. The front end validated its spec and chose the backend (`StructuredOutputsParams.
+   resolved_backend`); the engine core adds it in WAITING_FOR_FSM and calls
+   `grammar_init`, which submits the compile to a thread pool. Compiled grammars are cached
+   by (kind, spec): a repeated schema compiles once, each request then gets its own matcher.
+2. The scheduler skips the request, keeping its place, until `StructuredOutputRequest.
+   is_ready()`; a compile that fails or takes longer than the timeout finishes that request
+   alone with reason "error" and the problem in `stop_reason`.
+3. Each step, after scheduling, `grammar_bitmask` fills one row of the packed int32 mask
+   per structured request that samples this step, in batch order; the model runner expands
+   it over the vocabulary and sets the disallowed logits to -inf before sampling.
+4. After sampling, the scheduler calls `accept_tokens`; a grammar that reaches its end
+   finishes the request with reason "stop".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pagedinfer.sampling_params import StructuredOutputsParams
+from pagedinfer.structured_output.backend import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    StructuredOutputOptions,
+    canonical_spec,
+    create_backend,
+)
+
+if TYPE_CHECKING:
+    from pagedinfer.config import EngineConfig
+    from pagedinfer.core.request import Request
+    from pagedinfer.core.sched_output import SchedulerOutput
+
+logger = logging.getLogger("pagedinfer")
+
+__all__ = ["GrammarOutput", "StructuredOutputManager", "StructuredOutputRequest", "spec_key"]
+
+
+def spec_key(params: StructuredOutputsParams) -> tuple[StructuredOutputOptions, str]:
+    """(kind, spec text): the compile-cache key (schemas and choices as compact JSON, keys in
+    their given order: the backends emit properties in that order)."""
+    if params.json is not None:
+        kind, spec = StructuredOutputOptions.JSON, params.json
+    elif params.json_object:
+        kind, spec = StructuredOutputOptions.JSON_OBJECT, ""
+    elif params.regex is not None:
+        kind, spec = StructuredOutputOptions.REGEX, params.regex
+    elif params.choice is not None:
+        kind, spec = StructuredOutputOptions.CHOICE, params.choice
+    else:
+        assert params.grammar is not None
+        kind, spec = StructuredOutputOptions.GRAMMAR, params.grammar
+    return kind, canonical_spec(kind, spec)
+
+
+@dataclass
+class StructuredOutputRequest:
+    """A request's grammar: compiling (a future), ready (a matcher) or failed (an error)."""
+
+    params: StructuredOutputsParams
+    backend: str
+    key: tuple[StructuredOutputOptions, str]
+    future: concurrent.futures.Future | None = None
+    deadline: float = 0.0
+    grammar: StructuredOutputGrammar | None = None
+    error: str | None = None
+
+    def is_ready(self) -> bool:
+        """True once compiled or failed (then `error` says why); never blocks."""
+        if self.grammar is not None or self.error is not None:
+            return True
+        assert self.future is not None
+        if self.future.done():
+            try:
+                self.grammar = self.future.result()
+            except Exception as exc:  # the request fails alone
+                self.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return True
+        if time.monotonic() > self.deadline:
+            self.future.cancel()
+            self.error = "grammar compilation timed out"
+            return True
+        return False
+
+
+@dataclass
+class GrammarOutput:
+    """The step's bitmask rows, in batch order of `req_ids` (numpy: cheap to send to
+    workers in other processes)."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab / 32)]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class StructuredOutputManager:
+    def __init__(self, config: EngineConfig, vocab_size: int, max_num_seqs: int) -> None:
+        self.config = config.structured_outputs_config
+        self.model = config.model_config.model
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.compile_timeout_s = self.config.structured_outputs_compile_timeout_s
+        workers = max(1, ((os.cpu_count() or 1) + 1) // 2)
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "pagedinfer-grammar")
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+        # One backend per (name, disable_any_whitespace, disable_additional_properties): the
+        # options are fixed when a backend is made; each caches its compiled grammars.
+        self._backends: dict[tuple[str, bool, bool], StructuredOutputBackend] = {}
+        # One lock per spec: concurrent requests with the same spec compile it once (the
+        # second waits, then hits the backend's cache).
+        self._spec_locks: dict[tuple[Any, ...], threading.Lock] = {}
+        self._bitmask: Any = None  # torch int32 [max_num_seqs, words]
+        self.bitmask_time_s = 0.0
+        self.num_bitmask_steps = 0
+
+    # ---------------------------------------------------------------------- compiling
+
+    def _backend(self, name: str, params: StructuredOutputsParams) -> StructuredOutputBackend:
+        """The backend for `name` and the request's options, built on first use (in a pool
+        thread: the tokenizer and the first backend take a second or so)."""
+        key = (
+            name,
+            params.disable_any_whitespace or self.config.disable_any_whitespace,
+            params.disable_additional_properties or self.config.disable_additional_properties,
+        )
+        with self._lock:
+            backend = self._backends.get(key)
+            if backend is None:
+                if self._tokenizer is None:
+                    from pagedinfer.tokenizer import Tokenizer
+
+                    self._tokenizer = Tokenizer.from_model_path(self.model)
+                backend = create_backend(
+                    name,  # type: ignore[arg-type]
+                    self._tokenizer,
+                    self.vocab_size,
+                    disable_any_whitespace=key[1],
+                    disable_additional_properties=key[2],
+                )
+                self._backends[key] = backend
+            return backend
+
+    @property
+    def num_compiles(self) -> int:
+        return sum(b.num_compiles for b in list(self._backends.values()))
+
+    @property
+    def num_cache_hits(self) -> int:
+        return sum(b.num_cache_hits for b in list(self._backends.values()))
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling `request`'s grammar; the scheduler polls `is_ready()`."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        backend = params.resolved_backend or (
+            "guidance" if self.config.structured_outputs_backend == "guidance" else "xgrammar"
+        )
+        kind, spec = spec_key(params)
+        so_request = StructuredOutputRequest(params, backend, (kind, spec))
+        so_request.deadline = time.monotonic() + self.compile_timeout_s
+        so_request.future = self._pool.submit(self._compile, backend, kind, spec, params)
+        request.structured_output_request = so_request
+
+    def _compile(
+        self,
+        backend_name: str,
+        kind: StructuredOutputOptions,
+        spec: str,
+        params: StructuredOutputsParams,
+    ) -> StructuredOutputGrammar:
+        backend = self._backend(backend_name, params)
+        with self._lock:
+            lock = self._spec_locks.setdefault((id(backend), kind, spec), threading.Lock())
+        with lock:
+            return backend.compile_grammar(kind, spec)
+
+    # ------------------------------------------------------------------------ per step
+
+    def grammar_bitmask(
+        self, requests: dict[str, Request], scheduler_output: SchedulerOutput
+    ) -> GrammarOutput | None:
+        """Rows for the structured requests that sample in this step (batch order); a
+        terminated grammar gets an all-allowed row (its request is about to finish)."""
+        rows: list[tuple[str, StructuredOutputGrammar]] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            so = request.structured_output_request if request is not None else None
+            if so is None or so.grammar is None or request.is_prefill_chunk:
+                continue
+            rows.append((req_id, so.grammar))
+        if not rows:
+            return None
+        start = time.perf_counter()
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            backend = next(iter(self._backends.values()))
+            self._bitmask = backend.allocate_token_bitmask(max(self.max_num_seqs, len(rows)))
+        bitmask = self._bitmask[: len(rows)]
+        bitmask.fill_(-1)
+        for i, (_, grammar) in enumerate(rows):
+            if not grammar.is_terminated():
+                grammar.fill_bitmask(bitmask, i)
+        self.bitmask_time_s += time.perf_counter() - start
+        self.num_bitmask_steps += 1
+        return GrammarOutput([r for r, _ in rows], bitmask.numpy().copy())
+
+    def accept_token(self, request: Request, token_id: int) -> bool:
+        """Advance the request's grammar by one sampled token; True when the grammar has
+        reached its end (the request finishes with reason "stop")."""
+        so = request.structured_output_request
+        if so is None or so.grammar is None or so.grammar.is_terminated():
+            return so is not None and so.grammar is not None and so.grammar.is_terminated()
+        if not so.grammar.accept_tokens(request.request_id, [token_id]):
+            # The mask made this impossible; if it happens, say so rather than loop.
+            logger.error("Request %s: token %d rejected by its grammar.", request.request_id,
+                         token_id)  # fmt: skip
+            return True
+        return so.grammar.is_terminated()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "grammar_compiles": self.num_compiles,
+            "grammar_cache_hits": self.num_cache_hits,
+            "bitmask_time_s": self.bitmask_time_s,
+            "bitmask_steps": self.num_bitmask_steps,
+        }
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for backend in self._backends.values():
+            backend.destroy()
