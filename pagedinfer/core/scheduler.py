@@ -326,9 +326,9 @@ class Scheduler:
                 if (
                     request.structured_output_request is not None
                     and self.structured_output_manager is not None
-                    and self.structured_output_manager.accept_token(request, token_id)
+                    and (end := self.structured_output_manager.accept_token(request, token_id))
                 ):
-                    request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+                    request.status = end  # the grammar is complete, or at a dead end
                     break
             prompt_logprobs = runner_output.prompt_logprobs_dict.get(req_id)
             if not new_token_ids and prompt_logprobs is None and not request.is_finished():

@@ -84,7 +84,10 @@ def unsupported_json_features(schema: dict[str, Any]) -> list[str]:
     """JSON schema keywords in `schema` that xgrammar would ignore or not enforce (vLLM's
     list): `multipleOf`; array `uniqueItems`, `contains`, `minContains`, `maxContains`; string
     `format`s outside `SUPPORTED_STRING_FORMATS`; object `minProperties`, `maxProperties`,
-    `propertyNames`, `patternProperties`. A keyword counts when the node may have the type it
+    `propertyNames`, `patternProperties`. Beyond vLLM's list: a string's `minLength` (above 0)
+    or `maxLength` together with its `pattern` or `format` (xgrammar 0.2 keeps the pattern or
+    format and silently drops the length, so `{"format": "email", "maxLength": 10}` would
+    let a 30-character address through). A keyword counts when the node may have the type it
     applies to (its `type` says so, or it has no `type`)."""
     found: list[str] = []
     for node in iter_schema_nodes(schema):
@@ -103,6 +106,10 @@ def unsupported_json_features(schema: dict[str, Any]) -> list[str]:
         fmt = node.get("format")
         if may_be("string") and isinstance(fmt, str) and fmt not in SUPPORTED_STRING_FORMATS:
             found.append(f"string format {fmt!r}")
+        if may_be("string") and ("maxLength" in node or node.get("minLength", 0) not in (0, None)):
+            found.extend(
+                f"minLength/maxLength with {k}" for k in ("pattern", "format") if k in node
+            )
         if may_be("object"):
             found.extend(k for k in _OBJECT_UNSUPPORTED if k in node)
     return list(dict.fromkeys(found))

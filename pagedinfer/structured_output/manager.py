@@ -38,7 +38,7 @@ from pagedinfer.structured_output.backend import (
 
 if TYPE_CHECKING:
     from pagedinfer.config import EngineConfig
-    from pagedinfer.core.request import Request
+    from pagedinfer.core.request import Request, RequestStatus
     from pagedinfer.core.sched_output import SchedulerOutput
 
 logger = logging.getLogger("pagedinfer")
@@ -214,18 +214,26 @@ class StructuredOutputManager:
         self.num_bitmask_steps += 1
         return GrammarOutput([r for r, _ in rows], bitmask.numpy().copy())
 
-    def accept_token(self, request: Request, token_id: int) -> bool:
-        """Advance the request's grammar by one sampled token; True when the grammar has
-        reached its end (the request finishes with reason "stop")."""
+    def accept_token(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Advance the request's grammar by one sampled token. Returns FINISHED_STOPPED when
+        the grammar is complete, FINISHED_ERROR (with `request.stop_reason` set) if the
+        grammar refuses the token (a dead end: no token was allowed), else None."""
+        from pagedinfer.core.request import RequestStatus
+
         so = request.structured_output_request
-        if so is None or so.grammar is None or so.grammar.is_terminated():
-            return so is not None and so.grammar is not None and so.grammar.is_terminated()
+        if so is None or so.grammar is None:
+            return None
+        if so.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
         if not so.grammar.accept_tokens(request.request_id, [token_id]):
-            # The mask made this impossible; if it happens, say so rather than loop.
             logger.error("Request %s: token %d rejected by its grammar.", request.request_id,
                          token_id)  # fmt: skip
-            return True
-        return so.grammar.is_terminated()
+            request.stop_reason = (
+                "structured outputs: the grammar allows no continuation here (is the spec "
+                "satisfiable?)"
+            )
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if so.grammar.is_terminated() else None
 
     def stats(self) -> dict[str, float]:
         return {

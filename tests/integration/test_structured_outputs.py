@@ -235,6 +235,14 @@ def test_a_repeated_schema_compiles_once(llm: LLM) -> None:
         (lambda: StructuredOutputsParams(regex="(unclosed"), "regex"),
         (lambda: StructuredOutputsParams(grammar="root ::= ( 'a' "), "grammar"),
         (lambda: StructuredOutputsParams(json={"type": "strange"}), "json"),
+        # Unsatisfiable: no string is both >= 5 and <= 2 long; no count is {3,1}.
+        (
+            lambda: StructuredOutputsParams(
+                json={"type": "string", "minLength": 5, "maxLength": 2}
+            ),
+            "json",
+        ),  # fmt: skip
+        (lambda: StructuredOutputsParams(regex="a{3,1}"), "regex"),
     ],
 )
 def test_a_bad_spec_fails_its_request_alone(llm: LLM, so, needle) -> None:

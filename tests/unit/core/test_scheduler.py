@@ -260,3 +260,60 @@ def test_request_whose_grammar_failed_finishes_alone_with_the_error() -> None:
     assert "bad schema" in str(errors[0].stop_reason)
     assert bad.request_id not in sched.requests and len(sched.waiting) == 0
     assert bad.request_id in sched.finished_req_ids
+
+
+class _ScriptedGrammar:
+    """A grammar that accepts `allowed` tokens in order, then is complete."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed, self.pos = allowed, 0
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        for t in tokens:
+            if self.pos >= len(self.allowed) or t != self.allowed[self.pos]:
+                return False
+            self.pos += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.pos == len(self.allowed)
+
+
+def _guided_scheduler(grammar: _ScriptedGrammar):
+    from pagedinfer.config import EngineConfig
+    from pagedinfer.sampling_params import StructuredOutputsParams
+    from pagedinfer.structured_output.manager import (
+        StructuredOutputManager,
+        StructuredOutputRequest,
+        spec_key,
+    )
+
+    sched = create_scheduler()
+    sched.structured_output_manager = StructuredOutputManager(EngineConfig(), 1000, 16)
+    (req,) = create_requests(1, max_tokens=10)
+    params = StructuredOutputsParams(regex="ab")
+    req.structured_output_request = StructuredOutputRequest(
+        params, "xgrammar", spec_key(params), grammar=grammar  # type: ignore[arg-type]
+    )
+    sched.add_request(req)
+    return sched, req
+
+
+def test_a_complete_grammar_finishes_its_request_with_stop() -> None:
+    sched, req = _guided_scheduler(_ScriptedGrammar([7, 8]))
+    reasons = []
+    for token in (7, 8):
+        so = sched.schedule()
+        eco = sched.update_from_output(so, make_output(so, sched, token=token))
+        reasons.append(eco.outputs[0].finish_reason)
+    assert reasons[0] is None and str(reasons[1]) == "stop"
+    assert req.output_token_ids == [7, 8] and not sched.has_unfinished_requests()
+
+
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error() -> None:
+    sched, req = _guided_scheduler(_ScriptedGrammar([7, 8]))
+    so = sched.schedule()
+    eco = sched.update_from_output(so, make_output(so, sched, token=9))  # a dead end
+    (out,) = eco.outputs
+    assert str(out.finish_reason) == "error" and "no continuation" in str(out.stop_reason)
+    assert not sched.has_unfinished_requests()
