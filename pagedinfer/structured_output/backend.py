@@ -221,6 +221,50 @@ def forbid_additional_properties(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+# RFC 3339 `full-date` with only days that exist (proleptic Gregorian leap years), and
+# `date-time` built on it. Neither library's own format is exact: xgrammar 0.2 takes day 31 in
+# any month ("2023-04-31", "2023-02-30"), llguidance takes 02-29 in any year ("2023-02-29").
+_MONTH_DAY = (
+    "(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])"  # the 1st-28th of any month
+    "|(0[13-9]|1[0-2])-(29|30)"  # the 29th and 30th but in February
+    "|(0[13578]|1[02])-31"
+)
+_LEAP_YEAR = "[0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00"
+_FULL_DATE = f"([0-9]{{4}}-({_MONTH_DAY})|({_LEAP_YEAR})-02-29)"
+_FULL_TIME = (  # RFC 3339: leap second 60, optional fraction, "Z" or a +hh:mm offset
+    "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?"
+    "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+)
+EXACT_FORMAT_PATTERNS = {
+    "date": f"^{_FULL_DATE}$",
+    "date-time": f"^{_FULL_DATE}[Tt]{_FULL_TIME}$",
+}
+
+
+def exact_date_formats(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` where each string schema with `"format": "date"` or `"date-time"`
+    and no `pattern` of its own gets the exact `pattern` of that format instead (see
+    `EXACT_FORMAT_PATTERNS`), so that neither library can emit a day that does not exist.
+    `schema` itself is returned when nothing changes."""
+
+    def targets(node: dict[str, Any]) -> bool:
+        declared = node.get("type")
+        types = {declared} if isinstance(declared, str) else set(declared or ())
+        return (
+            node.get("format") in EXACT_FORMAT_PATTERNS
+            and "pattern" not in node
+            and (not types or "string" in types)
+        )
+
+    if not any(targets(node) for node in iter_schema_nodes(schema)):
+        return schema
+    schema = json.loads(json.dumps(schema))
+    for node in iter_schema_nodes(schema):
+        if targets(node):
+            node["pattern"] = EXACT_FORMAT_PATTERNS[node.pop("format")]
+    return schema
+
+
 # ---- interface ---------------------------------------------------------------------------------
 
 

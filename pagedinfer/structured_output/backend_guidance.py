@@ -9,7 +9,9 @@ How specs map to llguidance:
   `disable_any_whitespace` turns flexible whitespace off (compact JSON with "," and ":"), and
   the schema's own "x-guidance" options still win. llguidance follows JSON Schema on
   `additionalProperties` (allowed unless said otherwise); `disable_additional_properties`
-  rewrites the schema to forbid them. Unknown or unimplemented keywords are errors;
+  rewrites the schema to forbid them; the "date" and "date-time" formats become exact patterns
+  (`exact_date_formats`: llguidance's own take "2023-02-29"). Unknown or unimplemented
+  keywords are errors;
 - JSON_OBJECT: the schema `{"type": "object"}`;
 - REGEX: a Lark rule `start: /regex/` through `llguidance.regex_to_lark(regex, "dw")`, so that
   `\d` and `\w` are ASCII as in xgrammar (llguidance's `grammar_from_regex` would let `\d`
@@ -44,6 +46,7 @@ from pagedinfer.structured_output.backend import (
     StructuredOutputSpecError,
     bitmask_words,
     choice_alternatives,
+    exact_date_formats,
     forbid_additional_properties,
     grammar_is_lark,
     parse_choice,
@@ -95,9 +98,10 @@ def guidance_grammar(
     try:
         if kind is opts.JSON:
             schema = parse_json_schema(spec)
-            text = spec
+            rewritten = exact_date_formats(schema)
             if disable_additional_properties:
-                text = json.dumps(forbid_additional_properties(schema), ensure_ascii=False)
+                rewritten = forbid_additional_properties(rewritten)
+            text = spec if rewritten is schema else json.dumps(rewritten, ensure_ascii=False)
             return matcher_cls.grammar_from_json_schema(text, defaults=defaults)
         if kind is opts.JSON_OBJECT:
             return matcher_cls.grammar_from_json_schema('{"type": "object"}', defaults=defaults)

@@ -9,7 +9,9 @@ How specs map to xgrammar:
   changes little here. `disable_any_whitespace` gives compact JSON: `any_whitespace=False` with
   separators ("," , ":") (xgrammar's own default would be ", " and ": ").
   Schema features xgrammar ignores or mishandles are rejected up front, as vLLM does (see
-  `unsupported_json_features`), so that "auto" sends them to llguidance;
+  `unsupported_json_features`), so that "auto" sends them to llguidance; the "date" and
+  "date-time" formats become exact patterns (`exact_date_formats`: xgrammar's own take
+  "2023-04-31");
 - JSON_OBJECT: the schema `{"type": "object"}` (any object);
 - REGEX: `compile_regex`; CHOICE: an EBNF `root ::= "a" | "b"`;
 - GRAMMAR: EBNF/GBNF through `compile_grammar` (root rule `root`), Lark through `compile_lark`
@@ -36,6 +38,7 @@ from pagedinfer.structured_output.backend import (
     StructuredOutputOptions,
     StructuredOutputSpecError,
     choice_alternatives,
+    exact_date_formats,
     forbid_additional_properties,
     grammar_is_lark,
     iter_schema_nodes,
@@ -87,8 +90,9 @@ def unsupported_json_features(schema: dict[str, Any]) -> list[str]:
     `propertyNames`, `patternProperties`. Beyond vLLM's list: a string's `minLength` (above 0)
     or `maxLength` together with its `pattern` or `format` (xgrammar 0.2 keeps the pattern or
     format and silently drops the length, so `{"format": "email", "maxLength": 10}` would
-    let a 30-character address through). A keyword counts when the node may have the type it
-    applies to (its `type` says so, or it has no `type`)."""
+    let a 30-character address through), and an `allOf` of more than one schema (xgrammar
+    0.2 warns and compiles such a node to "any JSON value"). A keyword counts when the node
+    may have the type it applies to (its `type` says so, or it has no `type`)."""
     found: list[str] = []
     for node in iter_schema_nodes(schema):
         declared = node.get("type")
@@ -112,6 +116,8 @@ def unsupported_json_features(schema: dict[str, Any]) -> list[str]:
             )
         if may_be("object"):
             found.extend(k for k in _OBJECT_UNSUPPORTED if k in node)
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            found.append("allOf with more than one schema")
     return list(dict.fromkeys(found))
 
 
@@ -133,9 +139,12 @@ def _json_schema_text(spec: str, disable_additional_properties: bool) -> str:
             "the xgrammar backend does not support these JSON schema features: "
             + ", ".join(unsupported)
         )
+    rewritten = exact_date_formats(schema)
     if disable_additional_properties:
-        return json.dumps(forbid_additional_properties(schema), ensure_ascii=False)
-    return spec
+        rewritten = forbid_additional_properties(rewritten)
+    if rewritten is schema:
+        return spec
+    return json.dumps(rewritten, ensure_ascii=False)
 
 
 def _structural_tag(spec: str) -> Any:

@@ -11,8 +11,13 @@ Flow of one structured request (vLLM's design, seed 000 chapter 3):
 3. Each step, after scheduling, `grammar_bitmask` fills one row of the packed int32 mask
    per structured request that samples this step, in batch order; the model runner expands
    it over the vocabulary and sets the disallowed logits to -inf before sampling.
-4. After sampling, the scheduler calls `accept_tokens`; a grammar that reaches its end
-   finishes the request with reason "stop".
+4. After sampling, the scheduler calls `accept_token` per kept token; a grammar that
+   reaches its end finishes the request with reason "stop".
+
+Speculative decoding (several tokens per step): `validate_tokens` trims a request's draft to
+the prefix its grammar allows (the scheduler then schedules only that), and
+`grammar_bitmask` gives a request with k scheduled draft tokens k + 1 rows: the mask at each
+verification position, found by advancing the grammar through the drafts and rolling it back.
 """
 
 from __future__ import annotations
@@ -99,8 +104,14 @@ class GrammarOutput:
     workers in other processes)."""
 
     req_ids: list[str]
-    bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab / 32)]
+    bitmask: np.ndarray  # int32 [sum(num_rows), ceil(vocab / 32)]
+    num_rows: list[int] = field(default_factory=list)
+    """Rows per request (1 + its scheduled draft tokens), in `req_ids` order; empty means one
+    row each."""
     stats: dict[str, float] = field(default_factory=dict)
+
+    def rows_of(self, index: int) -> int:
+        return self.num_rows[index] if self.num_rows else 1
 
 
 class StructuredOutputManager:
@@ -190,29 +201,64 @@ class StructuredOutputManager:
     def grammar_bitmask(
         self, requests: dict[str, Request], scheduler_output: SchedulerOutput
     ) -> GrammarOutput | None:
-        """Rows for the structured requests that sample in this step (batch order); a
-        terminated grammar gets an all-allowed row (its request is about to finish)."""
-        rows: list[tuple[str, StructuredOutputGrammar]] = []
+        """Rows for the structured requests that sample in this step (batch order): one per
+        request, plus one per scheduled draft token. A terminated grammar's row allows
+        everything (its request is about to finish); so do the rows after a draft token the
+        grammar refuses (the rejection sampler stops at that token anyway)."""
+        rows: list[tuple[str, StructuredOutputGrammar, list[int]]] = []
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             so = request.structured_output_request if request is not None else None
             if so is None or so.grammar is None or request.is_prefill_chunk:
                 continue
-            rows.append((req_id, so.grammar))
+            rows.append((req_id, so.grammar, drafts_of.get(req_id, [])))
         if not rows:
             return None
         start = time.perf_counter()
-        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+        total = sum(1 + len(drafts) for _, _, drafts in rows)
+        if self._bitmask is None or self._bitmask.shape[0] < total:
             backend = next(iter(self._backends.values()))
-            self._bitmask = backend.allocate_token_bitmask(max(self.max_num_seqs, len(rows)))
-        bitmask = self._bitmask[: len(rows)]
+            self._bitmask = backend.allocate_token_bitmask(max(self.max_num_seqs, total))
+        bitmask = self._bitmask[:total]
         bitmask.fill_(-1)
-        for i, (_, grammar) in enumerate(rows):
-            if not grammar.is_terminated():
-                grammar.fill_bitmask(bitmask, i)
+        row = 0
+        for _, grammar, drafts in rows:
+            if drafts:
+                self._fill_draft_rows(grammar, drafts, bitmask, row)
+            elif not grammar.is_terminated():
+                grammar.fill_bitmask(bitmask, row)
+            row += 1 + len(drafts)
         self.bitmask_time_s += time.perf_counter() - start
         self.num_bitmask_steps += 1
-        return GrammarOutput([r for r, _ in rows], bitmask.numpy().copy())
+        return GrammarOutput(
+            [r for r, _, _ in rows],
+            bitmask.numpy().copy(),
+            num_rows=[1 + len(d) for _, _, d in rows] if drafts_of else [],
+        )
+
+    @staticmethod
+    def _fill_draft_rows(
+        grammar: StructuredOutputGrammar, drafts: list[int], bitmask: Any, first_row: int
+    ) -> None:
+        """Row j = the mask after drafts[:j]: advance through the drafts one at a time,
+        filling as we go, then roll the grammar back to where it was."""
+        advanced = 0
+        for j in range(len(drafts) + 1):
+            grammar.fill_bitmask(bitmask, first_row + j)
+            if j == len(drafts) or not grammar.accept_tokens("", [drafts[j]]):
+                break
+            advanced += 1
+        grammar.rollback(advanced)
+
+    def validate_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (a draft) that the request's grammar accepts
+        from its current state; the grammar itself does not move. Requests without a ready
+        grammar take the draft as it is."""
+        so = request.structured_output_request
+        if so is None or so.grammar is None or not token_ids:
+            return token_ids
+        return so.grammar.validate_tokens(token_ids)
 
     def accept_token(self, request: Request, token_id: int) -> RequestStatus | None:
         """Advance the request's grammar by one sampled token. Returns FINISHED_STOPPED when

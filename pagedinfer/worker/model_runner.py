@@ -250,7 +250,8 @@ class ModelRunner:
         if step.logits is not None:
             states = [self.requests[r] for r in step.sampling_req_ids]
             if grammar_output is not None:
-                self._apply_grammar_bitmask(step.logits, step.sampling_req_ids, grammar_output)
+                first_row = {r: i for i, r in enumerate(step.sampling_req_ids)}
+                self._apply_grammar_bitmask(step.logits, first_row, grammar_output)
             metadata = self._sampling_metadata(states)
             out = self.sampler(step.logits, metadata)
             token_ids = out.sampled_token_ids.tolist()
@@ -271,20 +272,28 @@ class ModelRunner:
 
     @staticmethod
     def _apply_grammar_bitmask(
-        logits: torch.Tensor, sampling_req_ids: list[str], grammar_output
+        logits: torch.Tensor, first_row: dict[str, int], grammar_output
     ) -> None:
         """Disallowed tokens of the structured requests' rows -> -inf (before sampling, so
         penalties, temperature and top-k/p only ever see allowed tokens). The mask's rows
-        are in the scheduler's batch order; map them to this step's logits rows."""
+        are in the scheduler's batch order, `grammar_output.rows_of(i)` of them for request
+        i (more than one when draft tokens are verified: those logits rows follow the
+        request's first one, `first_row[req_id]`); map them to this step's logits rows."""
         from pagedinfer.structured_output.backend import apply_token_bitmask
 
-        row_of = {req_id: i for i, req_id in enumerate(sampling_req_ids)}
-        rows = [row_of[r] for r in grammar_output.req_ids if r in row_of]
+        rows: list[int] = []
+        keep: list[int] = []
+        mask_row = 0
+        for i, req_id in enumerate(grammar_output.req_ids):
+            n = grammar_output.rows_of(i)
+            if req_id in first_row:
+                rows.extend(range(first_row[req_id], first_row[req_id] + n))
+                keep.extend(range(mask_row, mask_row + n))
+            mask_row += n
         if not rows:
             return
         mask = torch.from_numpy(grammar_output.bitmask)
-        if len(rows) != len(grammar_output.req_ids):
-            keep = [i for i, r in enumerate(grammar_output.req_ids) if r in row_of]
+        if len(keep) != mask.shape[0]:
             mask = mask[keep]
         index = torch.tensor(rows)
         sub = logits.index_select(0, index)

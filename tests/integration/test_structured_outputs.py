@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
@@ -226,6 +227,51 @@ def test_a_repeated_schema_compiles_once(llm: LLM) -> None:
     after = llm.get_stats()
     assert after["grammar_compiles"] - before["grammar_compiles"] == 1
     assert after["grammar_cache_hits"] - before["grammar_cache_hits"] == 3
+
+
+def test_a_request_waiting_for_its_grammar_blocks_no_one(llm: LLM) -> None:
+    """While a grammar compiles, its request waits at the head of the queue (WAITING_FOR_FSM)
+    and the requests behind it run; once compiled it runs too. The compile is held by taking
+    the manager's own per-spec lock, the one a second request with the same spec waits on."""
+    from pagedinfer.core.request import RequestStatus
+    from pagedinfer.structured_output.manager import spec_key
+
+    engine = llm.llm_engine
+    manager = engine.engine_core.structured_output_manager
+    scheduler = engine.engine_core.scheduler
+    schema = {"type": "object", "properties": {"held": {"type": "boolean"}},
+              "required": ["held"], "additionalProperties": False}  # fmt: skip
+    guided = SamplingParams(
+        max_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    name = engine.config.structured_outputs_config.structured_outputs_backend
+    backend = manager._backend(name, guided.structured_outputs)
+    with manager._lock:
+        lock = manager._spec_locks.setdefault(
+            (id(backend), *spec_key(guided.structured_outputs)), threading.Lock()
+        )
+    plain = SamplingParams(max_tokens=6, temperature=0)
+    lock.acquire()
+    try:
+        engine.add_request("g", _chat(llm, "Is it held? Answer in JSON."), guided)
+        engine.add_request("p0", _chat(llm, "Say hello."), plain)
+        engine.add_request("p1", _chat(llm, "Say goodbye."), plain)
+        finished: dict[str, str] = {}
+        for _ in range(12):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].text
+        assert set(finished) == {"p0", "p1"}  # both ran to the end, behind "g"
+        head = scheduler.waiting.peek()
+        assert head.request_id == "g" and head.status is RequestStatus.WAITING_FOR_FSM
+    finally:
+        lock.release()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].text
+                assert out.outputs[0].finish_reason == "stop"
+    assert json.loads(finished["g"]) in ({"held": True}, {"held": False})
 
 
 @pytest.mark.parametrize(

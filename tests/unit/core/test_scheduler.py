@@ -293,7 +293,10 @@ def _guided_scheduler(grammar: _ScriptedGrammar):
     (req,) = create_requests(1, max_tokens=10)
     params = StructuredOutputsParams(regex="ab")
     req.structured_output_request = StructuredOutputRequest(
-        params, "xgrammar", spec_key(params), grammar=grammar  # type: ignore[arg-type]
+        params,
+        "xgrammar",
+        spec_key(params),
+        grammar=grammar,  # type: ignore[arg-type]
     )
     sched.add_request(req)
     return sched, req

@@ -514,6 +514,16 @@ UNSUPPORTED_BY_XGRAMMAR = [
     ({"type": "object", "patternProperties": {"^x_": {"type": "string"}}}, "patternProperties"),
     ({"type": "object", "minProperties": 1}, "minProperties"),
     ({"type": "object", "properties": {"s": {"type": "string", "format": "unknown"}}}, "format"),
+    (
+        {
+            "type": "object",
+            "allOf": [
+                {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "string"}}, "required": ["b"]},
+            ],
+        },
+        "allOf with more than one schema",
+    ),
 ]
 
 
@@ -524,6 +534,16 @@ def test_auto_falls_back_to_guidance(schema, feature, backends):
         backends["xgrammar"].compile_grammar(SO.JSON, spec)
     assert resolve_auto_backend(SO.JSON, spec) == "guidance"
     backends["guidance"].compile_grammar(SO.JSON, spec)
+
+
+def test_a_single_schema_allof_stays_with_xgrammar(backends, tokenizer):
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}},
+                         "required": ["a"], "additionalProperties": False}]}  # fmt: skip
+    spec = canonical_spec(SO.JSON, schema)
+    assert resolve_auto_backend(SO.JSON, spec) == "xgrammar"
+    grammar = backends["xgrammar"].compile_grammar(SO.JSON, spec)
+    assert grammar.validate_tokens(ids(tokenizer, '{"a": 3}')) == ids(tokenizer, '{"a": 3}')
+    assert not grammar.accept_tokens("r", ids(tokenizer, '{"a": 4}'))
 
 
 def test_auto_backend_choice(backends, tokenizer):
