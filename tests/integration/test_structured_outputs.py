@@ -274,6 +274,44 @@ def test_a_request_waiting_for_its_grammar_blocks_no_one(llm: LLM) -> None:
     assert json.loads(finished["g"]) in ({"held": True}, {"held": False})
 
 
+def test_a_compile_that_times_out_fails_its_request_alone() -> None:
+    """`structured_outputs_compile_timeout_s`: a grammar not ready in time fails its request
+    with reason "error" and says so; the request beside it is served."""
+    from pagedinfer.structured_output.manager import spec_key
+
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory_bytes=32 * 2**20,
+        max_model_len=256,
+        log_stats_interval_s=0,
+        structured_outputs_backend="guidance",
+        structured_outputs_compile_timeout_s=0.5,
+    )
+    engine = llm.llm_engine
+    manager = engine.engine_core.structured_output_manager
+    guided = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")
+    )
+    backend = manager._backend("guidance", guided.structured_outputs)
+    lock = manager._spec_locks.setdefault(
+        (id(backend), *spec_key(guided.structured_outputs)), threading.Lock()
+    )
+    lock.acquire()  # the compile waits on this lock until after the deadline
+    try:
+        outs = llm.generate(
+            [_chat(llm, "A number?"), _chat(llm, "Hello?")],
+            [guided, SamplingParams(max_tokens=6, temperature=0)],
+            use_tqdm=False,
+        )
+    finally:
+        lock.release()
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "timed out" in str(outs[0].outputs[0].stop_reason)
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert len(outs[1].outputs[0].token_ids) == 6
+    engine.engine_core.shutdown()
+
+
 @pytest.mark.parametrize(
     "so, needle",
     [
