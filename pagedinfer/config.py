@@ -20,6 +20,7 @@ __all__ = [
     "SchedulerConfig",
     "ObservabilityConfig",
     "StructuredOutputsConfig",
+    "SpeculativeConfig",
     "EngineConfig",
 ]
 
@@ -112,6 +113,62 @@ class StructuredOutputsConfig:
     """A grammar still compiling after this long fails its request (alone)."""
 
 
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
+
+
+@dataclass(config=_FROZEN)
+class SpeculativeConfig:
+    """`speculative_config={...}` (`--speculative-config JSON` on the command line): a
+    proposer drafts k tokens per request each step, the target model verifies them in one
+    forward pass and the rejection sampler keeps an exact sample of the target (see
+    `spec_decode/`)."""
+
+    method: SpeculativeMethod
+    """How drafts are made: "ngram" (prompt lookup in the request's own tokens),
+    "draft_model" (a smaller model with the same tokenizer, or the target's first
+    `draft_layers` layers), "eagle" or "medusa" (trained heads, `model`)."""
+    num_speculative_tokens: int = Field(ge=1, le=16)
+    """Draft tokens proposed (and verified) per request per step: k."""
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    """ngram: the longest suffix searched for earlier in the sequence (5 if neither lookup
+    bound is given, the other bound if only that one is)."""
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    """ngram: the shortest suffix tried before giving up."""
+    model: str | None = None
+    """draft_model: the draft model (GGUF file or HF directory); eagle/medusa: the heads file
+    (`pagedinfer train-draft`)."""
+    draft_layers: int | None = Field(default=None, ge=1)
+    """draft_model without `model`: a self-speculative draft made of the target's first N
+    layers, its final norm and its LM head."""
+    disable_by_batch_size: int | None = Field(default=None, ge=1)
+    """Do not speculate in a step where more requests than this are running (speculation
+    pays at small batches and costs at large ones); None: always speculate."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            elif lo is None:
+                lo = hi
+            elif hi is None:
+                hi = lo
+            assert lo is not None and hi is not None
+            if lo > hi:
+                raise ValueError(
+                    f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})"
+                )
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif self.method == "draft_model":
+            if (self.model is None) == (self.draft_layers is None):
+                raise ValueError("draft_model needs exactly one of `model` or `draft_layers`")
+        elif self.model is None:
+            raise ValueError(f"{self.method} needs `model`: the heads file (train-draft)")
+        return self
+
+
 @dataclass(config=_FROZEN)
 class EngineConfig:
     model_config: ModelConfig = Field(default_factory=ModelConfig)
@@ -121,6 +178,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = Field(
         default_factory=StructuredOutputsConfig
     )
+    speculative_config: SpeculativeConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -21,6 +21,7 @@ __all__ = [
     "FinishReason",
     "LogprobsLists",
     "SchedulerStats",
+    "SpecDecodingStats",
 ]
 
 
@@ -77,6 +78,60 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """Speculative decoding counts (of one step, or summed): a "draft" is one request's
+    proposal verified in one step. Acceptance rate = accepted / draft tokens; mean
+    acceptance length = 1 + accepted / drafts (the bonus or correction token counted, as
+    vLLM does); per-position acceptance = accepted_per_pos[i] / drafts."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_accepted_tokens:
+            per_pos.extend([0] * (num_accepted_tokens - len(per_pos)))
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        theirs = other.num_accepted_tokens_per_pos
+        if len(per_pos) < len(theirs):
+            per_pos.extend([0] * (len(theirs) - len(per_pos)))
+        for i, n in enumerate(theirs):
+            per_pos[i] += n
+
+    def summary(self, num_speculative_tokens: int | None = None) -> dict[str, float]:
+        """The figures `LLM.get_stats()` reports (per position up to k, when given)."""
+        drafts = self.num_drafts
+        per_pos = list(self.num_accepted_tokens_per_pos)
+        if num_speculative_tokens is not None:
+            per_pos = (per_pos + [0] * num_speculative_tokens)[:num_speculative_tokens]
+        out: dict[str, float] = {
+            "spec_num_drafts": drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": (
+                self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+            ),
+            "spec_mean_acceptance_length": (
+                1 + self.num_accepted_tokens / drafts if drafts else 0.0
+            ),
+        }
+        for i, n in enumerate(per_pos):
+            out[f"spec_acceptance_pos_{i}"] = n / drafts if drafts else 0.0
+        return out
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """A snapshot of the scheduler after one step (for logging and `LLM.get_stats()`)."""
 
@@ -92,6 +147,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0
     """Of those, tokens found cached."""
     prefix_cache_reset: bool = False
+    spec_decoding: SpecDecodingStats | None = None
+    """Drafts verified during this step (None without speculative decoding)."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -93,9 +93,22 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     """Per request: the sampled token(s); empty for a non-final prefill chunk."""
     logprobs: LogprobsLists | None = None
-    """Row i belongs to req_ids[i] (rows of non-sampling requests are padding)."""
+    """One row per sampled token: request i's `len(sampled_token_ids[i])` rows follow those
+    of the requests before it (`logprobs_row_of(i)` is the first)."""
     prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
     """req_id -> logprobs of the prompt positions computed this step."""
+    draft_token_ids: dict[str, list[int]] | None = None
+    """Speculative decoding: req_id -> the drafts proposed for the next step."""
+    _row_starts: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def logprobs_row_of(self, index: int) -> int:
+        if self._row_starts is None:
+            starts, total = [], 0
+            for tokens in self.sampled_token_ids:
+                starts.append(total)
+                total += len(tokens)
+            self._row_starts = starts
+        return self._row_starts[index]
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

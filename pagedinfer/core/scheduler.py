@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedinfer.config import CacheConfig, SchedulerConfig
+from pagedinfer.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedinfer.core.block_pool import KVCacheBlock
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.messages import (
@@ -33,6 +33,7 @@ from pagedinfer.core.messages import (
     EngineCoreOutputs,
     LogprobsLists,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from pagedinfer.core.request import Request, RequestStatus
 from pagedinfer.core.request_queue import create_request_queue
@@ -57,6 +58,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
@@ -81,6 +83,16 @@ class Scheduler:
         # Requests finished while waiting (a grammar that failed to compile): reported by
         # the next update_from_output.
         self._finished_waiting: list[Request] = []
+        # Speculative decoding: drafts arrive with each ModelRunnerOutput and are scheduled
+        # (with their KV slots) the next step. Drafters that run a model write KV for the
+        # drafts they feed back in, `num_lookahead_tokens` slots past the scheduled ones.
+        self.speculative_config = speculative_config
+        self.num_lookahead_tokens = 0
+        if speculative_config is not None and speculative_config.method in ("draft_model", "eagle"):
+            self.num_lookahead_tokens = speculative_config.num_speculative_tokens
+        self._spec_stats: SpecDecodingStats | None = (
+            SpecDecodingStats() if speculative_config is not None else None
+        )
 
     # ------------------------------------------------------------------ requests in/out
 
@@ -128,6 +140,7 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        scheduled_spec: dict[str, list[int]] = {}
 
         # 1. Running requests.
         req_index = 0
@@ -146,7 +159,9 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -159,6 +174,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id, None)
+                    scheduled_spec.pop(victim.request_id, None)
                 self._preempt_request(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -172,6 +188,13 @@ class Scheduler:
             new_blocks_of[request.request_id] = new_blocks
             token_budget -= num_new_tokens
             req_index += 1
+            if request.spec_token_ids:
+                # The drafts that fit (budget, max_model_len) go to the workers; the rest
+                # are dropped. New drafts come with this step's output.
+                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    scheduled_spec[request.request_id] = request.spec_token_ids[:num_spec]
+                request.spec_token_ids = []
 
         # 2. Waiting requests, only if this step preempted nothing.
         skipped: list[Request] = []  # grammars still compiling: they keep their place
@@ -213,6 +236,7 @@ class Scheduler:
                     num_new_tokens,
                     num_new_computed_tokens=num_computed - request.num_computed_tokens,
                     new_computed_blocks=computed_blocks,
+                    num_lookahead_tokens=self.num_lookahead_tokens,
                 )
                 if new_blocks is None:
                     break
@@ -253,6 +277,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=ordered,
             total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=scheduled_spec,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
         )
@@ -317,6 +342,14 @@ class Scheduler:
                 continue  # aborted while the step ran
             req_index = runner_output.req_id_to_index[req_id]
             generated = runner_output.sampled_token_ids[req_index]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and generated:
+                # The verified run: accepted drafts, then one more token. The rejected
+                # drafts' KV slots are simply computed again (with the right tokens) later.
+                num_accepted = len(generated) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                if self._spec_stats is not None:
+                    self._spec_stats.observe_draft(len(drafts), num_accepted)
             new_token_ids: list[int] = []
             for token_id in generated:
                 request.append_output_token_ids(token_id)
@@ -335,10 +368,13 @@ class Scheduler:
                 continue
             new_logprobs = None
             if logprobs is not None and new_token_ids:
+                # One row per generated token (several with speculative decoding).
+                first = runner_output.logprobs_row_of(req_index)
+                rows = slice(first, first + len(new_token_ids))
                 new_logprobs = LogprobsLists(
-                    logprob_token_ids=[logprobs.logprob_token_ids[req_index]],
-                    logprobs=[logprobs.logprobs[req_index]],
-                    sampled_token_ranks=[logprobs.sampled_token_ranks[req_index]],
+                    logprob_token_ids=logprobs.logprob_token_ids[rows],
+                    logprobs=logprobs.logprobs[rows],
+                    sampled_token_ranks=logprobs.sampled_token_ranks[rows],
                 )
             outputs.append(
                 EngineCoreOutput(
@@ -373,7 +409,24 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
             for request in stopped:
                 self._free_request(request)
+        if runner_output.draft_token_ids:
+            self.update_draft_token_ids(runner_output.draft_token_ids)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Take the proposer's drafts for the next step. Requests that finished or are in
+        the middle of their prompt take none; a draft is cut to the tokens the request may
+        still generate (max_tokens) and, for guided requests, to what its grammar accepts."""
+        manager = self.structured_output_manager
+        for req_id, drafts in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished() or request.is_prefill_chunk:
+                continue
+            if request.max_tokens is not None:
+                drafts = drafts[: max(0, request.max_tokens - request.num_output_tokens - 1)]
+            if drafts and request.structured_output_request is not None and manager:
+                drafts = manager.validate_tokens(request, drafts)
+            request.spec_token_ids = list(drafts)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -389,7 +442,16 @@ class Scheduler:
             prefix_cache_queries=prefix.queries if prefix else 0,
             prefix_cache_hits=prefix.hits if prefix else 0,
             prefix_cache_reset=prefix.reset if prefix else False,
+            spec_decoding=self._take_spec_stats(),
         )
+
+    def _take_spec_stats(self) -> SpecDecodingStats | None:
+        """The drafts verified since the last call (and start counting anew)."""
+        stats = self._spec_stats
+        if stats is None or stats.num_drafts == 0:
+            return None
+        self._spec_stats = SpecDecodingStats()
+        return stats
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

@@ -30,7 +30,7 @@ from pagedinfer.engine.core_client import (
     InprocClient,
 )
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
-from pagedinfer.engine.llm_engine import EngineStats
+from pagedinfer.engine.llm_engine import EngineStats, num_speculative_tokens
 from pagedinfer.engine.metrics import IterationStats, StatLogger
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
 from pagedinfer.outputs import RequestOutput
@@ -90,7 +90,9 @@ class AsyncLLM:
             config.structured_outputs_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
-        self.stats = EngineStats(config.observability_config.log_stats_interval_s)
+        self.stats = EngineStats(
+            config.observability_config.log_stats_interval_s, num_speculative_tokens(config)
+        )
         self.stat_loggers: list[StatLogger] = []
         """Given every step's statistics (the server adds its Prometheus logger here)."""
         self._handler: asyncio.Task | None = None

@@ -44,6 +44,7 @@ class EngineCore:
             config.cache_config,
             num_kv_blocks=info.num_kv_blocks,
             max_model_len=self.max_model_len,
+            speculative_config=config.speculative_config,
         )
         cache_config = config.cache_config
         self.block_hasher: BlockHasher | None = None

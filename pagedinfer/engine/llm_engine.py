@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.messages import EngineCoreRequest, SchedulerStats
+from pagedinfer.core.messages import EngineCoreRequest, SchedulerStats, SpecDecodingStats
 from pagedinfer.engine.core import EngineCore
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
@@ -26,7 +26,7 @@ from pagedinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedinfer")
 
-__all__ = ["LLMEngine", "EngineStats"]
+__all__ = ["LLMEngine", "EngineStats", "num_speculative_tokens"]
 
 
 class EngineStats:
@@ -37,8 +37,11 @@ class EngineStats:
 
     HIT_RATE_WINDOW_REQUESTS = 1000
 
-    def __init__(self, log_interval_s: float = 5.0) -> None:
+    def __init__(
+        self, log_interval_s: float = 5.0, num_speculative_tokens: int | None = None
+    ) -> None:
         self.log_interval_s = log_interval_s
+        self.num_speculative_tokens = num_speculative_tokens  # k: per-position figures
         self.reset()
 
     def reset(self) -> None:
@@ -53,9 +56,19 @@ class EngineStats:
         self._recent: collections.deque[tuple[int, int, int]] = collections.deque()
         self._recent_requests = 0
         self._last_log = (self.start_time, 0, 0)  # time, prompt tokens, generation tokens
+        # Speculative decoding: since start, and since the last log line.
+        self.spec_decoding: SpecDecodingStats | None = None
+        self._spec_since_log: SpecDecodingStats | None = None
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         self.scheduler = stats
+        if stats.spec_decoding is not None:
+            if self.spec_decoding is None:
+                self.spec_decoding = SpecDecodingStats()
+                self._spec_since_log = SpecDecodingStats()
+            assert self._spec_since_log is not None
+            self.spec_decoding.add(stats.spec_decoding)
+            self._spec_since_log.add(stats.spec_decoding)
         if stats.prefix_cache_reset:
             self._recent.clear()
             self._recent_requests = 0
@@ -90,6 +103,11 @@ class EngineStats:
             "elapsed_s": elapsed,
             "prompt_throughput": self.num_prompt_tokens / elapsed,
             "generation_throughput": self.num_generation_tokens / elapsed,
+            **(
+                self.spec_decoding.summary(self.num_speculative_tokens)
+                if self.spec_decoding is not None
+                else {}
+            ),
         }
 
     def log_line(self, now: float | None = None) -> str:
@@ -106,6 +124,24 @@ class EngineStats:
             f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
             f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%"
+            + self._spec_log_part()
+        )
+
+    def _spec_log_part(self) -> str:
+        spec = self._spec_since_log
+        if spec is None or spec.num_drafts == 0:
+            return ""
+        self._spec_since_log = SpecDecodingStats()
+        summary = spec.summary(self.num_speculative_tokens)
+        per_pos = ", ".join(
+            f"{v:.2f}" for k, v in summary.items() if k.startswith("spec_acceptance_pos_")
+        )
+        return (
+            f", Spec decode: mean acceptance length "
+            f"{summary['spec_mean_acceptance_length']:.2f}, acceptance rate "
+            f"{summary['spec_acceptance_rate'] * 100:.1f}%, drafted "
+            f"{spec.num_draft_tokens} / accepted {spec.num_accepted_tokens} tokens, "
+            f"per-position acceptance [{per_pos}]"
         )
 
     def maybe_log(self) -> None:
@@ -128,7 +164,9 @@ class LLMEngine:
             config.structured_outputs_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
-        self.stats = EngineStats(config.observability_config.log_stats_interval_s)
+        self.stats = EngineStats(
+            config.observability_config.log_stats_interval_s, num_speculative_tokens(config)
+        )
 
     def add_request(
         self,
@@ -187,3 +225,8 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
+
+
+def num_speculative_tokens(config: EngineConfig) -> int | None:
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec is not None else None

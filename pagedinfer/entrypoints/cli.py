@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -59,10 +60,27 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(
                     flag, type=base, default=default, help=f"{help_text} (default: {default})"
                 )
+    group.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help='Speculative decoding, as JSON: {"method": "ngram"|"draft_model"|"eagle"|'
+        '"medusa", "num_speculative_tokens": k, ...} (see SpeculativeConfig; default: off)',
+    )
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": ns.model}
+    out: dict[str, Any] = {"model": ns.model, "speculative_config": ns.speculative_config}
     for cls in _ENGINE_SECTIONS:
         for f in dataclasses.fields(cls):
             if f.name != "model":
@@ -160,7 +178,58 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedinfer.bench import add_bench_parser
 
     add_bench_parser(sub)
+    _add_train_draft_parser(sub)
     return parser
+
+
+def _add_train_draft_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "train-draft",
+        help="Train EAGLE or Medusa draft heads by self-distillation on ShareGPT prompts.",
+    )
+    p.add_argument("--method", choices=["eagle", "medusa"], required=True)
+    p.add_argument("--out", required=True, help="The .safetensors file to write.")
+    p.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)."
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default="float32")
+    p.add_argument(
+        "--num-prompts", type=int, default=800, help="Training prompts: ShareGPT rows [0, N)."
+    )
+    p.add_argument("--max-tokens", type=int, default=192, help="Greedy tokens per prompt.")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--num-medusa-heads", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=None, help="Default: the method's.")
+    p.add_argument(
+        "--lr", type=float, default=None, help="Peak learning rate (default: the method's)."
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data-cache",
+        default=None,
+        help="File for the generated sequences and features: written once, reused by later "
+        "runs with the same model, dtype, prompts and --max-tokens (e.g. the other method).",
+    )
+
+
+def _cmd_train_draft(ns: argparse.Namespace) -> int:
+    from pagedinfer.spec_decode.train import train_draft
+
+    train_draft(
+        ns.method,
+        out=ns.out,
+        model=ns.model,
+        dtype=ns.dtype,
+        num_prompts=ns.num_prompts,
+        max_tokens=ns.max_tokens,
+        draft_vocab_size=ns.draft_vocab_size,
+        num_medusa_heads=ns.num_medusa_heads,
+        epochs=ns.epochs,
+        lr=ns.lr,
+        seed=ns.seed,
+        data_cache=ns.data_cache,
+    )
+    return 0
 
 
 def _cmd_trace(ns: argparse.Namespace) -> int:
@@ -291,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_serve(ns)
     if ns.command == "trace":
         return _cmd_trace(ns)
+    if ns.command == "train-draft":
+        return _cmd_train_draft(ns)
     if ns.command == "bench":
         from pagedinfer.bench import run_bench
 

@@ -25,6 +25,7 @@ from pagedinfer.config import (
     ModelConfig,
     ObservabilityConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from pagedinfer.engine.input_processor import PromptType
@@ -47,8 +48,14 @@ _SECTIONS = (
 
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
-    """Route flat keyword options to the config section that declares them."""
+    """Route flat keyword options to the config section that declares them;
+    `speculative_config` is a dict (or a `SpeculativeConfig`), as in vLLM."""
     sections: dict[str, dict[str, Any]] = {name: {} for name, _ in _SECTIONS}
+    spec = kwargs.pop("speculative_config", None)
+    if isinstance(spec, dict):
+        spec = SpeculativeConfig(**spec)
+    elif spec is not None and not isinstance(spec, SpeculativeConfig):
+        raise TypeError("speculative_config must be a dict or a SpeculativeConfig")
     for key, value in kwargs.items():
         for name, cls in _SECTIONS:
             if key in {f.name for f in dataclasses.fields(cls)}:
@@ -56,7 +63,9 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
                 break
         else:
             raise TypeError(f"Unknown engine option {key!r}.")
-    return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS})
+    return EngineConfig(
+        **{name: cls(**sections[name]) for name, cls in _SECTIONS}, speculative_config=spec
+    )
 
 
 class LLM:

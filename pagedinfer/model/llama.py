@@ -223,12 +223,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, LlamaAttention):
                 module.rotary = self.rotary
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
+        `num_layers`: run only the first N decoder layers, then the final norm (the
+        self-speculative draft, `spec_decode/draft_model.py`)."""
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = Rope(self.rotary, positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -20,6 +20,7 @@ out as an HF directory for peers that cannot read GGUF, such as vLLM's CPU build
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -387,11 +388,14 @@ def export_hf_dir(
     gguf_path: str | os.PathLike[str] | None,
     out_dir: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
+    num_layers: int | None = None,
 ) -> str:
     """Write a GGUF model as a Hugging Face Llama directory; returns `out_dir`.
 
     Files: config.json, generation_config.json, model.safetensors (dequantised, HF row layout),
     tokenizer.json and tokenizer_config.json. transformers and our own loader both read it.
+    `num_layers`: keep only the first N decoder layers (a smaller model with the same
+    tokenizer, e.g. a draft model for speculative decoding).
     """
     from safetensors.torch import save_file
 
@@ -403,6 +407,14 @@ def export_hf_dir(
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
     config, weights = _load_gguf(resolved, dtype)
+    if num_layers is not None and num_layers < config.num_hidden_layers:
+        config = dataclasses.replace(config, num_hidden_layers=num_layers)
+        dropped = re.compile(r"model\.layers\.(\d+)\.")
+        weights = {
+            k: v
+            for k, v in weights.items()
+            if (m := dropped.match(k)) is None or int(m.group(1)) < num_layers
+        }
     tokenizer = Tokenizer.from_gguf(resolved)
 
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})

@@ -25,16 +25,25 @@ from pagedinfer.attention.backend import (
     ForwardContext,
     set_forward_context,
 )
+from pagedinfer.config import SpeculativeConfig
 from pagedinfer.core.messages import LogprobsLists
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.sample.metadata import LogprobsTensors, SamplingMetadata
-from pagedinfer.sample.sampler import Sampler, compute_prompt_logprobs
+from pagedinfer.sample.sampler import (
+    Sampler,
+    compute_logprobs,
+    compute_prompt_logprobs,
+    gather_logprobs,
+)
 from pagedinfer.sampling_params import SamplingParams, SamplingType
+from pagedinfer.spec_decode.draft_model import DraftModel
+from pagedinfer.spec_decode.proposer import DraftBatch, Proposer, StepRun, create_proposer
+from pagedinfer.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelRunner", "CachedRequestState"]
+__all__ = ["ModelRunner", "CachedRequestState", "make_attention_metadata"]
 
 _GREEDY_EPS = 1e-5
 
@@ -52,6 +61,9 @@ class CachedRequestState:
     prompt_logprobs: list[LogprobsTensors] = field(default_factory=list)
     # prompt + output, kept in step with output_token_ids by append_token().
     all_token_ids: list[int] = field(default_factory=list)
+    # The same tokens in a growing numpy buffer, made on the first token_array() call (the
+    # n-gram proposer searches it every step).
+    _token_buf: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -63,6 +75,20 @@ class CachedRequestState:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        buf = self._token_buf
+        if buf is not None:
+            n = len(self.all_token_ids)
+            if n > len(buf):
+                buf = self._token_buf = np.resize(buf, 2 * n)
+            buf[n - 1] = token_id
+
+    def token_array(self) -> np.ndarray:
+        """`all_token_ids` as an int64 array (a view: valid until the next append)."""
+        n = len(self.all_token_ids)
+        if self._token_buf is None:
+            self._token_buf = np.zeros(max(2 * n, 64), dtype=np.int64)
+            self._token_buf[:n] = self.all_token_ids
+        return self._token_buf[:n]
 
 
 @dataclass
@@ -71,8 +97,50 @@ class _StepState:
 
     req_ids: list[str]
     sampling_req_ids: list[str]
-    logits: torch.Tensor | None  # [num_sampling_reqs, vocab_size]
+    logits: torch.Tensor | None  # [num_logits_rows, vocab_size]
     prompt_logprobs: dict[str, LogprobsLists | None]
+    spec_drafts: list[list[int]] | None = None
+    """Per sampling request, the drafts verified this step (its logits rows are the last
+    real token's and one per draft); None when no request verifies drafts (one row each)."""
+    hidden: torch.Tensor | None = None
+    """[num_tokens, hidden_size], kept only for proposers that read the target's features."""
+    runs: list[tuple[str, int, int, int]] | None = None
+    """With `hidden`: per request (req_id, first row, start position, tokens run)."""
+
+
+def make_attention_metadata(
+    num_scheduled: np.ndarray, computed: np.ndarray, block_table: np.ndarray, block_size: int
+) -> tuple[CommonAttentionMetadata, np.ndarray]:
+    """The flattened batch's attention metadata and token positions: request i runs
+    `num_scheduled[i]` tokens starting at position `computed[i]`, its KV in the blocks of
+    `block_table[i]` (`[num_reqs, max_blocks]` int32, padded)."""
+    num_reqs = len(num_scheduled)
+    seq_lens_np = computed + num_scheduled  # [num_reqs]
+    qsl_np = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=qsl_np[1:])
+    num_tokens = int(qsl_np[-1])
+    # Per-token request index and position, then slots, all vectorised.
+    req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)  # [num_tokens]
+    positions_np = np.arange(num_tokens) - np.repeat(qsl_np[:-1] - computed, num_scheduled)
+    slots_np = (
+        block_table[req_of_token, positions_np // block_size].astype(np.int64) * block_size
+        + positions_np % block_size
+    )  # [num_tokens]
+    common = CommonAttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        query_start_loc=torch.from_numpy(qsl_np.astype(np.int32)),
+        query_start_loc_cpu=qsl_np.tolist(),
+        seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)),
+        seq_lens_cpu=seq_lens_np.tolist(),
+        num_computed_tokens_cpu=computed.tolist(),
+        max_query_len=int(num_scheduled.max()),
+        max_seq_len=int(seq_lens_np.max()),
+        block_table=torch.from_numpy(block_table),
+        slot_mapping=torch.from_numpy(slots_np),
+        block_size=block_size,
+    )
+    return common, positions_np
 
 
 class ModelRunner:
@@ -84,6 +152,9 @@ class ModelRunner:
         block_size: int,
         vocab_size: int,
         max_num_logprobs: int = 20,
+        speculative_config: SpeculativeConfig | None = None,
+        draft_model: DraftModel | None = None,
+        head_kv_cache: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -96,6 +167,23 @@ class ModelRunner:
         self.sampler = Sampler(argmax=None if kernels is None else kernels.argmax_rows)
         self.requests: dict[str, CachedRequestState] = {}
         self._step: _StepState | None = None
+        # Speculative decoding: the proposer drafts after sampling; the rejection sampler
+        # verifies the drafts the scheduler sends back.
+        self.proposer: Proposer | None = None
+        self.rejection_sampler: RejectionSampler | None = None
+        self.disable_spec_above: int | None = None
+        if speculative_config is not None:
+            if speculative_config.draft_layers is not None:
+                # Self-speculative: the target's first layers, sharing its KV cache.
+                draft_model = DraftModel(
+                    model, backend, kv_caches, speculative_config.draft_layers,
+                    shares_target_kv=True,
+                )  # fmt: skip
+            self.proposer = create_proposer(
+                speculative_config, draft_model, block_size, model, backend, head_kv_cache
+            )
+            self.rejection_sampler = RejectionSampler(self.sampler)
+            self.disable_spec_above = speculative_config.disable_by_batch_size
 
     # ------------------------------------------------------------------ state updates
 
@@ -145,17 +233,28 @@ class ModelRunner:
         seq_lens_np = computed_np + num_scheduled  # [num_reqs]
         qsl_np = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=qsl_np[1:])
-        num_tokens = int(qsl_np[-1])
 
         token_ids: list[int] = []
         logits_rows: list[int] = []
         sampling_req_ids: list[str] = []
+        drafts_of = so.scheduled_spec_decode_tokens
+        spec_drafts: list[list[int]] = []  # per sampling request
         prompt_lp_reqs: list[tuple[str, int, int]] = []  # (req_id, first row, num rows)
         max_blocks = max(len(s.block_ids) for s in states)
         block_table_np = np.zeros((num_reqs, max_blocks), dtype=np.int32)
         for i, state in enumerate(states):
             start, end = int(computed_np[i]), int(seq_lens_np[i])
+            drafts = drafts_of.get(state.req_id)
             token_ids.extend(state.all_token_ids[start:end])
+            if drafts:
+                # Verify: the request's new real token(s), then its drafts; logits at the
+                # last real token and at every draft.
+                assert end == state.num_tokens + len(drafts), (end, state.num_tokens, drafts)
+                token_ids.extend(drafts)
+                last = int(qsl_np[i + 1]) - 1
+                logits_rows.extend(range(last - len(drafts), last + 1))
+                sampling_req_ids.append(state.req_id)
+                spec_drafts.append(drafts)
             block_table_np[i, : len(state.block_ids)] = state.block_ids
             num_prompt = len(state.prompt_token_ids)
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
@@ -163,32 +262,13 @@ class ModelRunner:
                 prompt_lp_reqs.append(
                     (state.req_id, int(qsl_np[i]), min(end, num_prompt - 1) - start)
                 )
-            if end >= state.num_tokens:
+            if end >= state.num_tokens and not drafts:
                 logits_rows.append(int(qsl_np[i + 1]) - 1)
                 sampling_req_ids.append(state.req_id)
+                spec_drafts.append([])
 
-        # Per-token request index and position, then slots, all vectorised.
-        req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)  # [num_tokens]
-        positions_np = np.arange(num_tokens) - np.repeat(qsl_np[:-1] - computed_np, num_scheduled)
-        slots_np = (
-            block_table_np[req_of_token, positions_np // bs].astype(np.int64) * bs
-            + positions_np % bs
-        )  # [num_tokens]
-        qsl = qsl_np.tolist()
-        seq_lens = seq_lens_np.tolist()
-        common = CommonAttentionMetadata(
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            query_start_loc=torch.from_numpy(qsl_np.astype(np.int32)),
-            query_start_loc_cpu=qsl,
-            seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)),
-            seq_lens_cpu=seq_lens,
-            num_computed_tokens_cpu=computed_np.tolist(),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens_np.max()),
-            block_table=torch.from_numpy(block_table_np),
-            slot_mapping=torch.from_numpy(slots_np),
-            block_size=bs,
+        common, positions_np = make_attention_metadata(
+            num_scheduled, computed_np, block_table_np, bs
         )
         positions = positions_np
         input_ids = torch.tensor(token_ids, dtype=torch.int64)  # [num_tokens]
@@ -196,6 +276,8 @@ class ModelRunner:
         ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, pos_tensor)  # [num_tokens, hidden_size]
+        if self.proposer is not None:
+            self.proposer.observe_forward(input_ids, pos_tensor, common)
 
         logits = None
         if logits_rows:
@@ -203,7 +285,19 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_reqs)
         for req_id in req_ids:
             self.requests[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
-        self._step = _StepState(req_ids, sampling_req_ids, logits, prompt_logprobs)
+        self._step = _StepState(
+            req_ids,
+            sampling_req_ids,
+            logits,
+            prompt_logprobs,
+            spec_drafts if drafts_of and any(spec_drafts) else None,
+        )
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self._step.hidden = hidden
+            self._step.runs = [
+                (r, int(qsl_np[i]), int(computed_np[i]), int(num_scheduled[i]))
+                for i, r in enumerate(req_ids)
+            ]
         return None
 
     def _prompt_logprobs(
@@ -247,28 +341,88 @@ class ModelRunner:
         req_id_to_index = {r: i for i, r in enumerate(step.req_ids)}
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs_lists = None
+        states: list[CachedRequestState] = []
         if step.logits is not None:
             states = [self.requests[r] for r in step.sampling_req_ids]
+            # The first logits row of each sampling request (k + 1 rows when verifying k).
+            first_row: dict[str, int] = {}
+            row = 0
+            for i, req_id in enumerate(step.sampling_req_ids):
+                first_row[req_id] = row
+                row += 1 + (len(step.spec_drafts[i]) if step.spec_drafts else 0)
             if grammar_output is not None:
-                first_row = {r: i for i, r in enumerate(step.sampling_req_ids)}
                 self._apply_grammar_bitmask(step.logits, first_row, grammar_output)
             metadata = self._sampling_metadata(states)
-            out = self.sampler(step.logits, metadata)
-            token_ids = out.sampled_token_ids.tolist()
-            for state, token_id in zip(states, token_ids):
-                state.append_token(token_id)
-                sampled[req_id_to_index[state.req_id]] = [token_id]
-            if out.logprobs_tensors is not None:
-                logprobs_lists = self._scatter_logprobs(
-                    out.logprobs_tensors, step.sampling_req_ids, step.req_ids, req_id_to_index
-                )
+            if step.spec_drafts is None:
+                out = self.sampler(step.logits, metadata)
+                token_lists = [[t] for t in out.sampled_token_ids.tolist()]
+                if out.logprobs_tensors is not None:
+                    # One row per sampling request, in req_ids order: the output's layout.
+                    logprobs_lists = LogprobsLists(*out.logprobs_tensors.tolists())
+            else:
+                assert self.rejection_sampler is not None
+                verified = self.rejection_sampler(step.spec_drafts, None, step.logits, metadata)
+                token_lists = verified.sampled_token_ids
+                if metadata.max_num_logprobs is not None:
+                    logprobs_lists = self._verified_logprobs(
+                        step.logits, first_row, step.sampling_req_ids, token_lists,
+                        metadata.max_num_logprobs,
+                    )  # fmt: skip
+            for state, tokens in zip(states, token_lists):
+                for token_id in tokens:
+                    state.append_token(token_id)
+                sampled[req_id_to_index[state.req_id]] = tokens
+        draft_token_ids = self._propose(step, states)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index=req_id_to_index,
             sampled_token_ids=sampled,
             logprobs=logprobs_lists,
             prompt_logprobs_dict=step.prompt_logprobs,
+            draft_token_ids=draft_token_ids,
         )
+
+    def _propose(
+        self, step: _StepState, states: list[CachedRequestState]
+    ) -> dict[str, list[int]] | None:
+        """Drafts for the next step, unless speculation is off or the batch is too big
+        (drafters with state of their own still see the step)."""
+        proposer = self.proposer
+        if proposer is None:
+            return None
+        want = bool(states) and (
+            self.disable_spec_above is None or len(step.req_ids) <= self.disable_spec_above
+        )
+        if not want and not (proposer.needs_every_step and step.runs):
+            return None
+        batch = DraftBatch(step.sampling_req_ids if states else [], states, want_drafts=want)
+        if step.runs is not None:
+            batch.hidden = step.hidden
+            for req_id, first_row, start, num_run in step.runs:
+                state = self.requests[req_id]
+                # Real positions whose next token is known: all but a verified run's
+                # rejected drafts (the last known token has no successor yet).
+                num_real = min(num_run, state.num_tokens - 1 - start)
+                batch.runs.append(StepRun(state, first_row, start, num_real))
+        drafts = proposer.propose(batch)
+        if not want:
+            return None
+        return {r: d for r, d in zip(batch.req_ids, drafts) if d}
+
+    @staticmethod
+    def _verified_logprobs(
+        logits: torch.Tensor,
+        first_row: dict[str, int],
+        req_ids: list[str],
+        token_lists: list[list[int]],
+        num_logprobs: int,
+    ) -> LogprobsLists:
+        """Raw-distribution logprobs of each kept token: token j of a verified run was
+        sampled at its request's logits row first + j."""
+        rows = [first_row[r] + j for r, kept in zip(req_ids, token_lists) for j in range(len(kept))]
+        tokens = torch.tensor([t for kept in token_lists for t in kept], dtype=torch.int64)
+        raw = compute_logprobs(logits[torch.tensor(rows)])  # [num_kept, vocab_size]
+        return LogprobsLists(*gather_logprobs(raw, num_logprobs, tokens).tolists())
 
     @staticmethod
     def _apply_grammar_bitmask(
@@ -299,22 +453,6 @@ class ModelRunner:
         sub = logits.index_select(0, index)
         apply_token_bitmask(sub, mask)
         logits.index_copy_(0, index, sub)
-
-    @staticmethod
-    def _scatter_logprobs(
-        tensors: LogprobsTensors,
-        sampling_req_ids: list[str],
-        req_ids: list[str],
-        req_id_to_index: dict[str, int],
-    ) -> LogprobsLists:
-        ids, lps, ranks = tensors.tolists()
-        all_ids: list[list[int]] = [[] for _ in req_ids]
-        all_lps: list[list[float]] = [[] for _ in req_ids]
-        all_ranks = [0 for _ in req_ids]
-        for row, req_id in enumerate(sampling_req_ids):
-            i = req_id_to_index[req_id]
-            all_ids[i], all_lps[i], all_ranks[i] = ids[row], lps[row], ranks[row]
-        return LogprobsLists(all_ids, all_lps, all_ranks)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]

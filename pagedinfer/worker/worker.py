@@ -9,6 +9,7 @@ engine, which builds its scheduler around it. Per step the executor calls
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -22,6 +23,7 @@ from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import ModelArchConfig, load_model_weights, load_quant_blocks
 from pagedinfer.platform import HeapTrimmer, release_free_heap
+from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class Worker:
         self.arch: ModelArchConfig | None = None
         self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
+        # A separate draft model (speculative "draft_model" with `model`): arch, model, backend.
+        self.draft: tuple[ModelArchConfig, LlamaForCausalLM, AttentionBackend] | None = None
         self.load_time_s = 0.0
         self.heap_trimmer = HeapTrimmer()
 
@@ -84,33 +88,58 @@ class Worker:
     def _load_model(self) -> ModelArchConfig:
         start = time.perf_counter()
         torch.manual_seed(self.config.model_config.seed)
-        arch, state_dict = load_model_weights(self.config.model_config.model, self.dtype)
+        arch, model, backend = self._build_model(self.config.model_config.model)
+        self.arch, self.model, self.backend = arch, model, backend
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model" and spec.model is not None:
+            # RoPE tables as long as the target's: the draft sees the same positions.
+            draft_arch, draft, draft_backend = self._build_model(
+                spec.model, max_position=arch.max_position_embeddings
+            )
+            if draft_arch.vocab_size != arch.vocab_size:
+                raise ValueError(
+                    f"The draft model's vocabulary ({draft_arch.vocab_size} tokens) differs "
+                    f"from the target's ({arch.vocab_size}): it must share the tokenizer."
+                )
+            self.draft = (draft_arch, draft, draft_backend)
+            logger.info(
+                "Draft model %s: %d layers, hidden size %d.",
+                spec.model, draft_arch.num_hidden_layers, draft_arch.hidden_size,
+            )  # fmt: skip
+        self.load_time_s = time.perf_counter() - start
+        return arch
+
+    def _build_model(
+        self, path: str | None, max_position: int = 0
+    ) -> tuple[ModelArchConfig, LlamaForCausalLM, AttentionBackend]:
+        arch, state_dict = load_model_weights(path, self.dtype)
         backend = self._make_backend(arch)
         # Built on the meta device: load_weights installs the loaded tensors as parameters,
         # so the weights exist once in memory, not twice.
         with torch.device("meta"):
             model = LlamaForCausalLM(arch, backend)
         model.rotary = type(model.rotary)(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta
+            arch.head_dim, max(arch.max_position_embeddings, max_position), arch.rope_theta
         )  # RoPE tables: real buffers, computed here
         model.load_weights(state_dict)
         del state_dict
         max_rows = self.config.model_config.quant_max_tokens
         if max_rows > 0 and isinstance(backend, CpuPagedBackend):
-            blocks = load_quant_blocks(self.config.model_config.model, arch)
+            blocks = load_quant_blocks(path, arch)
             num_quant = model.load_quantized(
                 blocks, backend.kernel, max_rows, quantize_lm_head=self.dtype != torch.float32
             )
-            logger.info(
-                "Quantised weights (the file's own blocks) for steps of <= %d tokens on %d "
-                "matrices%s.",
-                max_rows,
-                num_quant,
-                " (int8 activations, VNNI)"
-                if self.dtype != torch.float32
-                and backend.kernel.quant_linear_uses_int8_activations()
-                else "",
-            )
+            if num_quant:
+                logger.info(
+                    "Quantised weights (the file's own blocks) for steps of <= %d tokens on "
+                    "%d matrices%s.",
+                    max_rows,
+                    num_quant,
+                    " (int8 activations, VNNI)"
+                    if self.dtype != torch.float32
+                    and backend.kernel.quant_linear_uses_int8_activations()
+                    else "",
+                )
         if self.dtype == torch.bfloat16:
             # oneDNN's own weight layout, once, instead of a reorder in every matmul.
             model.prepack_dense_weights(PREPACK_BATCH_HINT)
@@ -118,9 +147,7 @@ class Worker:
             # The C++ build the paged backend uses also has the fused layer ops.
             model.enable_fused_ops(backend.kernel)
         model.eval()
-        self.arch, self.model, self.backend = arch, model, backend
-        self.load_time_s = time.perf_counter() - start
-        return arch
+        return arch, model, backend
 
     def _make_backend(self, arch: ModelArchConfig) -> AttentionBackend:
         name = self.config.model_config.attention_backend
@@ -134,8 +161,22 @@ class Worker:
         return _BACKENDS[name](*args, scale)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block over all layers (a separate draft model's included: its
+        cache has the same blocks)."""
         assert self.arch is not None
-        return kv_cache_bytes_per_block(self.arch, self.config.cache_config.block_size, self.dtype)
+        bs = self.config.cache_config.block_size
+        total = kv_cache_bytes_per_block(self.arch, bs, self.dtype)
+        if self.draft is not None:
+            total += kv_cache_bytes_per_block(self.draft[0], bs, self.dtype)
+        if self._eagle():
+            total += kv_cache_bytes_per_block(self.arch, bs, self.dtype) // max(
+                self.arch.num_hidden_layers, 1
+            )  # the head's one decoder layer
+        return total
+
+    def _eagle(self) -> bool:
+        spec = self.config.speculative_config
+        return spec is not None and spec.method == "eagle"
 
     def num_kv_blocks(self) -> int:
         return self.config.cache_config.kv_cache_memory_bytes // self.kv_bytes_per_block()
@@ -143,17 +184,36 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.arch is not None and self.model is not None
         arch, bs = self.arch, self.config.cache_config.block_size
+        kv_caches = self._kv_caches(arch, num_blocks)
+        draft_model = None
+        if self.draft is not None:
+            draft_arch, draft, draft_backend = self.draft
+            draft_model = DraftModel(draft, draft_backend, self._kv_caches(draft_arch, num_blocks))
+        head_kv_cache = None
+        if self._eagle():  # one layer shaped as the target's
+            head_kv_cache = self._kv_caches(dataclasses.replace(arch, num_hidden_layers=1),
+                                            num_blocks)[0]  # fmt: skip
+        self.runner = ModelRunner(
+            self.model,
+            self.backend,
+            kv_caches,
+            bs,
+            vocab_size=arch.vocab_size,
+            speculative_config=self.config.speculative_config,
+            draft_model=draft_model,
+            head_kv_cache=head_kv_cache,
+        )
+        release_free_heap()  # loading's temporaries (~150 MB); see pagedinfer/platform.py
+
+    def _kv_caches(self, arch: ModelArchConfig, num_blocks: int) -> list[torch.Tensor]:
+        bs = self.config.cache_config.block_size
         # Zero-filled, so a padded gather never reads NaN garbage from an unwritten slot.
-        kv_caches = [
+        return [
             torch.zeros(
                 2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim, dtype=self.dtype
             )  # [2, num_blocks, block_size, num_kv_heads, head_dim]
             for _ in range(arch.num_hidden_layers)
         ]
-        self.runner = ModelRunner(
-            self.model, self.backend, kv_caches, bs, vocab_size=arch.vocab_size
-        )
-        release_free_heap()  # loading's temporaries (~150 MB); see pagedinfer/platform.py
 
     def _after_step(self) -> None:
         self.heap_trimmer.maybe_trim()

@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pagedinfer.config import CacheConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
+from pagedinfer.config import (
+    CacheConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+)
 from pagedinfer.entrypoints.cli import build_parser
 from pagedinfer.sampling_params import SamplingParams
 
@@ -24,11 +31,24 @@ def test_readme_opens_with_make_run_and_make_test() -> None:
 
 def test_every_engine_option_is_documented() -> None:
     readme = _readme()
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ObservabilityConfig):
+    for cls in (
+        ModelConfig,
+        CacheConfig,
+        SchedulerConfig,
+        ObservabilityConfig,
+        StructuredOutputsConfig,
+    ):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in readme, f.name
             if f.name != "model":
                 assert f"--{f.name.replace('_', '-')}" in readme, f.name
+
+
+def test_every_speculative_config_key_is_documented() -> None:
+    readme = _readme()
+    assert "`speculative_config`" in readme and "--speculative-config" in readme
+    for f in dataclasses.fields(SpeculativeConfig):
+        assert f"| `{f.name}` |" in readme, f.name
 
 
 def test_every_sampling_param_is_documented() -> None:

@@ -1,0 +1,212 @@
+"""The "eagle" and "medusa" proposers: trained heads (`heads.py`) over the target's features.
+
+Both get, after each step, the target's features (final hidden states) of every token the
+step ran (`DraftBatch.hidden`) and, per request, which of them are real: a verified run's
+rejected drafts are not. Drafts are argmax choices over the heads' draft vocabulary, mapped
+back to target token ids; they carry no probabilities (point masses for the rejection
+sampler, as the draft-model proposer's).
+
+EAGLE keeps a KV cache for its one decoder layer, laid out like the target's (same blocks
+and slots). Its input at position t is (h_t, e(x_{t+1})), stored at position t, so every
+real position the target computes is also computed by the head in the same step: the
+"catch-up" over all runs of the step (prompt chunks too) keeps that cache complete, prefix
+cache hits included (a cached block's head KV was written with the token that followed it
+then, which may differ for a new request: only the draft quality can suffer, never the
+output). The catch-up's last row of a request that just sampled token r at position P is
+the input (h_{P-1}, e(r)): its predicted feature f_P gives draft 1 (the token at P + 1);
+draft i + 1 comes from (f_{P+i-1}, e(draft i)) stored at position P + i - 1, inside the
+`num_speculative_tokens` lookahead slots the scheduler reserves.
+
+Medusa needs no cache: head i on h_{P-1} (the feature that produced r) predicts the token
+at P + 1 + i.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedinfer.attention.backend import AttentionBackend, ForwardContext, set_forward_context
+from pagedinfer.config import SpeculativeConfig
+from pagedinfer.model.llama import LlamaForCausalLM
+from pagedinfer.spec_decode.heads import EagleHead, HeadConfig, MedusaHeads, load_heads
+from pagedinfer.spec_decode.proposer import DraftBatch, Proposer
+
+__all__ = ["EagleProposer", "MedusaProposer", "load_head_file"]
+
+
+def load_head_file(
+    path: str, target: LlamaForCausalLM, dtype: torch.dtype
+) -> tuple[torch.nn.Module, HeadConfig, torch.Tensor, torch.Tensor]:
+    """(head, config, draft vocabulary [V_d] target ids, draft LM head [V_d, H]), checked
+    against the target model."""
+    head, config, draft_vocab, _ = load_heads(path, dtype)
+    arch = target.config
+    if config.hidden_size != arch.hidden_size or config.vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"{path} was trained for a model with hidden size {config.hidden_size} and "
+            f"{config.vocab_size} tokens, not this one ({arch.hidden_size}, {arch.vocab_size})"
+        )
+    lm_head = target.lm_head_weight[draft_vocab].to(dtype).contiguous()  # [V_d, H]
+    return head, config, draft_vocab, lm_head
+
+
+class _HeadProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, target: LlamaForCausalLM, head_path: str):
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.target = target
+        dtype = target.embed_tokens.weight.dtype
+        self.head, self.head_config, self.draft_vocab, self.lm_head = load_head_file(
+            head_path, target, dtype
+        )
+
+    def _argmax_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> target token ids [...] of the draft vocabulary's argmax."""
+        logits = features @ self.lm_head.T  # [..., V_d]
+        return self.draft_vocab[logits.argmax(dim=-1)]
+
+
+class MedusaProposer(_HeadProposer):
+    needs_hidden = True
+
+    def __init__(self, config: SpeculativeConfig, target: LlamaForCausalLM, head_path: str):
+        super().__init__(config, target, head_path)
+        assert isinstance(self.head, MedusaHeads)
+        num_heads = self.head_config.num_medusa_heads
+        if config.num_speculative_tokens > num_heads:
+            raise ValueError(
+                f"num_speculative_tokens ({config.num_speculative_tokens}) exceeds the "
+                f"{num_heads} Medusa heads in {head_path}"
+            )
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        if not batch.want_drafts or not batch.states:
+            return [[] for _ in batch.states]
+        assert batch.hidden is not None
+        rows = torch.tensor(batch.last_real_rows, dtype=torch.int64)
+        features = batch.hidden[rows]  # [num_reqs, H]
+        k = self.num_speculative_tokens
+        per_head = self.head(features)[:k]  # [k, num_reqs, H]
+        tokens = self._argmax_tokens(per_head).T  # [num_reqs, k]
+        return tokens.tolist()
+
+
+class EagleProposer(_HeadProposer):
+    needs_hidden = True
+    needs_every_step = True  # its KV cache must see every real position
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: LlamaForCausalLM,
+        head_path: str,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,
+        block_size: int,
+    ):
+        super().__init__(config, target, head_path)
+        assert isinstance(self.head, EagleHead)
+        self.backend = backend
+        self.kv_caches = [kv_cache]  # one layer: [2, num_blocks, block_size, kv_heads, D]
+        self.block_size = block_size
+
+    def _run(
+        self,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        num_scheduled: np.ndarray,
+        starts: np.ndarray,
+        block_table: np.ndarray,
+    ) -> torch.Tensor:
+        """The head over runs of `num_scheduled[i]` positions from `starts[i]` (paged)."""
+        from pagedinfer.worker.model_runner import make_attention_metadata
+
+        common, positions = make_attention_metadata(
+            num_scheduled, starts, block_table, self.block_size
+        )
+        ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
+
+        def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.backend.forward(q, k, v, self.kv_caches[0], ctx.attn_metadata)
+
+        with set_forward_context(ctx):
+            return self.head(
+                features,
+                self.target.embed_tokens(next_tokens),
+                torch.from_numpy(positions),
+                attention=paged,
+            )
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        assert batch.hidden is not None
+        runs = batch.runs
+        states = [run.state for run in runs]
+        # 1. Catch-up: every real position of every run, with the token after it.
+        rows: list[int] = []
+        next_ids: list[int] = []
+        for run in runs:
+            rows.extend(range(run.first_row, run.first_row + run.num_real))
+            tokens = run.state.all_token_ids
+            next_ids.extend(tokens[run.start + 1 : run.start + 1 + run.num_real])
+        num_real = np.array([run.num_real for run in runs], dtype=np.int64)
+        starts = np.array([run.start for run in runs], dtype=np.int64)
+        table = _block_table([s.block_ids for s in states])
+        live = num_real > 0
+        drafts: list[list[int]] = [[] for _ in batch.states]
+        if not live.any():
+            return drafts
+        features = batch.hidden[torch.tensor(rows, dtype=torch.int64)]
+        predicted = self._run(
+            features,
+            torch.tensor(next_ids, dtype=torch.int64),
+            num_real[live],
+            starts[live],
+            np.ascontiguousarray(table[live]),
+        )  # [sum num_real, H]
+        if not batch.want_drafts:
+            return drafts
+        # 2. Draft 1 from the last catch-up row of each request that sampled; then k - 1
+        # decode steps of the head alone.
+        ends = np.cumsum(num_real[live]) - 1
+        end_of_run = dict(zip(np.nonzero(live)[0].tolist(), ends.tolist()))
+        run_of_state = {id(run.state): i for i, run in enumerate(runs)}
+        sampling = [run_of_state[id(s)] for s in batch.states]
+        feats = predicted[torch.tensor([end_of_run[i] for i in sampling], dtype=torch.int64)]
+        token = self._argmax_tokens(feats)  # [num_sampling]
+        for j, t in enumerate(token.tolist()):
+            drafts[j].append(t)
+        # Draft i + 1 is written at position P + i - 1; keep those inside each request's
+        # blocks (the lookahead slots; fewer near max_model_len).
+        bs = self.block_size
+        positions = np.array([runs[i].start + runs[i].num_real for i in sampling], np.int64)
+        room = np.array([len(s.block_ids) * bs for s in batch.states], np.int64) - positions
+        num_drafts = np.minimum(self.num_speculative_tokens, np.maximum(room, 0) + 1)
+        sub_table = table[sampling]
+        for step in range(1, int(num_drafts.max(initial=0))):
+            active = np.nonzero(num_drafts > step)[0]
+            index = torch.from_numpy(active)
+            feats = self._run(
+                feats[index],
+                token[index],
+                np.ones(len(active), dtype=np.int64),
+                positions[active] + step - 1,
+                np.ascontiguousarray(sub_table[active]),
+            )
+            token = self._argmax_tokens(feats)
+            for j, t in zip(active.tolist(), token.tolist()):
+                drafts[j].append(t)
+            # Keep the rows aligned with `active` for the next step.
+            full_feats = torch.zeros(len(sampling), feats.shape[-1], dtype=feats.dtype)
+            full_tokens = torch.zeros(len(sampling), dtype=torch.int64)
+            full_feats[index], full_tokens[index] = feats, token
+            feats, token = full_feats, full_tokens
+        return drafts
+
+
+def _block_table(block_ids: list[list[int]]) -> np.ndarray:
+    table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
+    for i, ids in enumerate(block_ids):
+        table[i, : len(ids)] = ids
+    return table

@@ -1,0 +1,166 @@
+"""Trained draft heads for the default model: EAGLE and Medusa, and their file format.
+
+Both read the target's final hidden states (after its last norm: the LM head's input, here
+called features) and reuse the target's token embedding and LM head, restricted to a draft
+vocabulary (`draft_vocab`: the tokens the training text uses most, in target ids): at batch 1
+the full 49,152-row LM head costs about a third of a target forward, and a draft head runs it
+k times a step.
+
+- `EagleHead` (EAGLE-1, Li et al. 2024): the input at position t is the feature h_t and the
+  embedding of the NEXT token x_{t+1}; `fc` maps [e(x_{t+1}); h_t] to the hidden size, one
+  Llama decoder layer (attention over the earlier positions, with its own KV cache) turns it
+  into a predicted feature f_{t+1} ~ h_{t+1}, and the LM head gives token t+2. Drafting
+  feeds f and the drafted token back in.
+- `MedusaHeads` (Cai et al. 2024): head i (1..k) maps h_t through a residual SiLU block to a
+  feature whose LM-head logits predict token t+1+i, all from the same h_t.
+
+Files are safetensors (tensors only; no pickle) with a JSON `config` in the metadata:
+{"method", "hidden_size", ..., "target"} so a head is never loaded against the wrong model.
+Training: `spec_decode/train.py` (`pagedinfer train-draft`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["HeadConfig", "EagleHead", "MedusaHeads", "load_heads", "save_heads"]
+
+
+@dataclass
+class HeadConfig:
+    method: str  # "eagle" | "medusa"
+    hidden_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    num_heads: int = 0  # attention heads (eagle)
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    num_medusa_heads: int = 0
+    target: str = ""  # the target model's name, checked at load time
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE on x [tokens, heads, head_dim] at `positions` [tokens] (as the
+    target's `apply_rotary`)."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [tokens, head_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [tokens, 1, head_dim]
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)).to(x.dtype)
+
+
+# An attention function: (q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D].
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention over one sequence (training); GQA by repeating KV heads."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    )  # [H, T, D]
+    return out.transpose(0, 1)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        h = c.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.qkv = nn.Linear(h, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
+        self.o = nn.Linear(c.num_heads * c.head_dim, h, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.gate_up = nn.Linear(h, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, h, bias=False)
+        nn.init.zeros_(self.o.weight)  # starts as the identity on fc's output
+        nn.init.zeros_(self.down.weight)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attention: Attention = causal_attention,
+    ) -> torch.Tensor:
+        """features h_t [T, H], next_embeds e(x_{t+1}) [T, H], positions t [T] -> predicted
+        features f_{t+1} [T, H]. `attention` is dense causal (training) or paged."""
+        c = self.config
+        x = self.fc(torch.cat([next_embeds, features], dim=-1))  # [T, H]
+        residual = x
+        y = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        qkv = self.qkv(y)  # [T, (heads + 2 kv) * D]
+        n_q, n_kv, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        q = qkv[:, :n_q].view(-1, c.num_heads, d)
+        k = qkv[:, n_q : n_q + n_kv].view(-1, c.num_kv_heads, d)
+        v = qkv[:, n_q + n_kv :].view(-1, c.num_kv_heads, d)
+        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        attn = attention(q, k, v).reshape(-1, n_q)  # [T, heads * D]
+        x = residual + self.o(attn)
+        y = rms_norm(x, self.post_norm, c.rms_norm_eps)
+        gate, up = self.gate_up(y).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)  # [T, H]
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, k = config.hidden_size, config.num_medusa_heads
+        self.proj = nn.Parameter(torch.empty(k, h, h))  # small: head i starts near h itself
+        self.bias = nn.Parameter(torch.zeros(k, h))
+        nn.init.normal_(self.proj, std=0.02 / math.sqrt(h))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """h_t [T, H] -> per-head features [k, T, H] (head i predicts token t+1+i)."""
+        z = torch.einsum("th,kgh->ktg", features, self.proj) + self.bias[:, None, :]
+        return features[None] + F.silu(z)
+
+
+def save_heads(
+    path: str, head: nn.Module, config: HeadConfig, draft_vocab: torch.Tensor, extra: dict
+) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"head.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
+    tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
+    meta = {"config": json.dumps(asdict(config)), "training": json.dumps(extra)}
+    save_file(tensors, path, metadata=meta)
+
+
+def load_heads(
+    path: str, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, HeadConfig, torch.Tensor, dict[str, Any]]:
+    """(head module, config, draft vocabulary [V_d] target ids, training info)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if "config" not in meta:
+        raise ValueError(f"{path}: not a pagedinfer draft-heads file (no config)")
+    config = HeadConfig(**json.loads(meta["config"]))
+    head: nn.Module = EagleHead(config) if config.method == "eagle" else MedusaHeads(config)
+    head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+    head.to(dtype).eval().requires_grad_(False)
+    return head, config, tensors["draft_vocab"], json.loads(meta.get("training", "{}"))

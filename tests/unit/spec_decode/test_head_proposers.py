@@ -1,0 +1,142 @@
+"""EAGLE and Medusa proposers on a tiny random target: the EAGLE head run through the paged
+KV cache in chunks (the engine's catch-up and draft steps) equals its dense causal forward
+over the whole sequence (the training path), and the proposers draft from the right rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedinfer.attention.cpu_sdpa import CpuSdpaBackend
+from pagedinfer.config import SpeculativeConfig
+from pagedinfer.model.llama import LlamaForCausalLM
+from pagedinfer.model.loader import load_model_weights
+from pagedinfer.spec_decode.head_proposers import EagleProposer, MedusaProposer
+from pagedinfer.spec_decode.heads import EagleHead, HeadConfig, MedusaHeads, save_heads
+from pagedinfer.spec_decode.proposer import DraftBatch, StepRun
+from pagedinfer.worker.model_runner import CachedRequestState
+from tests.model.tiny import make_tiny_llama_dir
+
+BLOCK = 4
+NUM_BLOCKS = 32
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> tuple[LlamaForCausalLM, CpuSdpaBackend]:
+    path = make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny")))
+    arch, state_dict = load_model_weights(path, torch.float32)
+    backend = CpuSdpaBackend(
+        arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.head_dim**-0.5
+    )
+    model = LlamaForCausalLM(arch, backend)
+    model.load_weights(state_dict)
+    return model, backend
+
+
+def head_file(tmp_path, target: LlamaForCausalLM, method: str) -> str:
+    arch = target.config
+    config = HeadConfig(
+        method=method, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+        draft_vocab_size=200, num_heads=arch.num_attention_heads,
+        num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+        intermediate_size=arch.intermediate_size, rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta, num_medusa_heads=3, target="tiny",
+    )  # fmt: skip
+    torch.manual_seed(1)
+    head = EagleHead(config) if method == "eagle" else MedusaHeads(config)
+    for p in head.parameters():  # not the near-identity start: every part must matter
+        torch.nn.init.normal_(p, std=0.2)
+    path = str(tmp_path / f"{method}.safetensors")
+    save_heads(path, head, config, torch.arange(56, 256), {})
+    return path
+
+
+def eagle(tmp_path, target, k: int = 3) -> EagleProposer:
+    model, backend = target
+    arch = model.config
+    kv = torch.zeros(2, NUM_BLOCKS, BLOCK, arch.num_key_value_heads, arch.head_dim)
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=k, model="x")
+    return EagleProposer(spec, model, head_file(tmp_path, model, "eagle"), backend, kv, BLOCK)
+
+
+def test_paged_eagle_head_equals_its_dense_forward(tmp_path, target) -> None:
+    proposer = eagle(tmp_path, target)
+    torch.manual_seed(0)
+    hidden = proposer.target.config.hidden_size
+    features = torch.randn(23, hidden)
+    next_tokens = torch.randint(0, 256, (23,))
+    head = proposer.head
+    dense = head(features, proposer.target.embed_tokens(next_tokens), torch.arange(23))
+    table = np.arange(8, dtype=np.int32)[None]  # positions 0..31
+    paged = []
+    for start, n in [(0, 9), (9, 1), (10, 7), (17, 1), (18, 5)]:  # chunks, then decodes
+        out = proposer._run(
+            features[start : start + n], next_tokens[start : start + n],
+            np.array([n]), np.array([start]), table,
+        )  # fmt: skip
+        paged.append(out)
+    torch.testing.assert_close(torch.cat(paged), dense, rtol=1e-4, atol=1e-4)
+
+
+def _state(req_id: str, tokens: list[int], block_ids: list[int]) -> CachedRequestState:
+    from pagedinfer.sampling_params import SamplingParams
+
+    return CachedRequestState(req_id, tokens[:4], tokens[4:], SamplingParams(), block_ids, 0, None)
+
+
+def test_eagle_drafts_follow_the_dense_head(tmp_path, target) -> None:
+    """One step that ran a 10-token prompt for request a (it sampled its first token, the
+    11th) and a 5-token chunk of request b (not sampling): the catch-up covers both, and a's
+    drafts are the dense head's greedy rollout from the end of its sequence."""
+    proposer = eagle(tmp_path, target, k=3)
+    model = proposer.target
+    torch.manual_seed(2)
+    a_tokens = torch.randint(0, 256, (11,)).tolist()  # 10 prompt tokens + the sampled one
+    b_tokens = torch.randint(0, 256, (12,)).tolist()  # a 12-token prompt, 5 run this step
+    hidden = torch.randn(15, model.config.hidden_size)  # the step's 10 + 5 features
+    a = _state("a", a_tokens, [0, 1, 2, 3])  # room for 16 positions
+    b = _state("b", b_tokens, [4, 5, 6])
+    batch = DraftBatch(["a"], [a], hidden=hidden,
+                       runs=[StepRun(a, 0, 0, 10), StepRun(b, 10, 0, 5)])  # fmt: skip
+    (drafts,) = proposer.propose(batch)
+
+    # Dense reference: positions 0..9 of a, then roll the head forward greedily.
+    head = proposer.head
+    feats, nexts = hidden[:10], torch.tensor(a_tokens[1:11])
+    expected = []
+    for _ in range(3):
+        out = head(feats, model.embed_tokens(nexts), torch.arange(len(feats)))
+        token = int(proposer.draft_vocab[(out[-1] @ proposer.lm_head.T).argmax()])
+        expected.append(token)
+        feats = torch.cat([feats, out[-1:]])
+        nexts = torch.cat([nexts, torch.tensor([token])])
+    assert drafts == expected
+
+
+def test_eagle_drafts_stop_at_the_request_blocks(tmp_path, target) -> None:
+    proposer = eagle(tmp_path, target, k=3)
+    a = _state("a", list(range(10, 21)), [0, 1, 2])  # 12 positions; the new token is at 10
+    hidden = torch.randn(10, proposer.target.config.hidden_size)
+    (drafts,) = proposer.propose(DraftBatch(["a"], [a], hidden=hidden, runs=[StepRun(a, 0, 0, 10)]))
+    # Draft i + 1 is computed at position 10 + i - 1: positions 10 and 11 fit, 12 does not.
+    assert len(drafts) == 3
+    a = _state("a", list(range(10, 22)), [0, 1, 2])  # the new token at 11
+    hidden = torch.randn(11, proposer.target.config.hidden_size)
+    (drafts,) = proposer.propose(DraftBatch(["a"], [a], hidden=hidden, runs=[StepRun(a, 0, 0, 11)]))
+    assert len(drafts) == 2
+
+
+def test_medusa_heads_read_the_feature_that_produced_the_new_token(tmp_path, target) -> None:
+    model, _ = target
+    spec = SpeculativeConfig(method="medusa", num_speculative_tokens=3, model="x")
+    proposer = MedusaProposer(spec, model, head_file(tmp_path, model, "medusa"))
+    hidden = torch.randn(7, model.config.hidden_size)
+    a = _state("a", list(range(30, 38)), [0, 1])  # a verified run: 2 of 4 rows real
+    (drafts,) = proposer.propose(DraftBatch(["a"], [a], hidden=hidden, runs=[StepRun(a, 3, 5, 2)]))
+    per_head = proposer.head(hidden[4:5])  # row 3 + 2 - 1
+    expected = proposer.draft_vocab[(per_head[:, 0] @ proposer.lm_head.T).argmax(-1)].tolist()
+    assert drafts == expected and len(drafts) == 3
+    spec = SpeculativeConfig(method="medusa", num_speculative_tokens=4, model="x")
+    with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
+        MedusaProposer(spec, model, head_file(tmp_path, model, "medusa"))
