@@ -205,6 +205,11 @@ def _add_train_draft_parser(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--all-turns",
+        action="store_true",
+        help="Every user turn of the training rows is a prompt (default: turn 0 only).",
+    )
+    p.add_argument(
         "--data-cache",
         default=None,
         help="File for the generated sequences and features: written once, reused by later "
@@ -228,6 +233,7 @@ def _cmd_train_draft(ns: argparse.Namespace) -> int:
         lr=ns.lr,
         seed=ns.seed,
         data_cache=ns.data_cache,
+        all_turns=ns.all_turns,
     )
     return 0
 

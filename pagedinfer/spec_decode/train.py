@@ -74,8 +74,12 @@ def training_prompt_indices(num_prompts: int) -> list[int]:
     return indices
 
 
-def load_training_prompts(num_prompts: int, data_path: str | None = None) -> list[str]:
-    """Turn-0 texts of the training rows (rows without a string turn 0 are skipped)."""
+def load_training_prompts(
+    num_prompts: int, data_path: str | None = None, all_turns: bool = False
+) -> list[str]:
+    """Turn-0 texts of the training rows (rows without a string turn 0 are skipped); with
+    `all_turns`, every user turn of those rows, each as a prompt of its own (about 3.6x the
+    prompts: more text for the heads from the same rows)."""
     from pagedinfer.bench.datasets import default_sharegpt_path
 
     with open(data_path or default_sharegpt_path(), encoding="utf-8") as f:
@@ -83,9 +87,14 @@ def load_training_prompts(num_prompts: int, data_path: str | None = None) -> lis
     texts = []
     for i in training_prompt_indices(num_prompts):
         turns = rows[i].get("conversations") if isinstance(rows[i], dict) else None
-        text = turns[0].get("value") if turns and isinstance(turns[0], dict) else None
-        if isinstance(text, str) and text.strip():
-            texts.append(text)
+        for j, turn in enumerate(turns or []):
+            if j > 0 and not all_turns:
+                break
+            if not isinstance(turn, dict) or (j > 0 and turn.get("from") not in ("human", "user")):
+                continue
+            text = turn.get("value")
+            if isinstance(text, str) and text.strip():
+                texts.append(text)
     return texts
 
 
@@ -513,6 +522,7 @@ def train_draft(
     seed: int = 0, data_path: str | None = None, data_cache: str | None = None,
     log: Callable[[str], Any] = print, prompts: Sequence[list[int]] | None = None,
     settings: dict[str, Any] | None = None, llm_kwargs: dict[str, Any] | None = None,
+    all_turns: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Self-distil a draft head for `model` (None: the default GGUF) and save it to `out`.
 
@@ -531,7 +541,8 @@ def train_draft(
     args = {
         "method": method, "model": model, "dtype": dtype, "num_prompts": num_prompts,
         "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
-        "num_medusa_heads": num_medusa_heads, "epochs": epochs or DEFAULT_EPOCHS[method],
+        "num_medusa_heads": num_medusa_heads, "all_turns": all_turns,
+        "epochs": epochs or DEFAULT_EPOCHS[method],
         "lr": lr or DEFAULT_LR[method], "seed": seed,
     }  # fmt: skip
     ts = TrainSettings(epochs=args["epochs"], lr=args["lr"], seed=seed, **(settings or {}))
@@ -541,7 +552,9 @@ def train_draft(
     t = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, seed=seed, **(llm_kwargs or {}))
     if prompts is None:
-        prompts = chat_prompts(llm.get_tokenizer(), load_training_prompts(num_prompts, data_path))
+        prompts = chat_prompts(
+            llm.get_tokenizer(), load_training_prompts(num_prompts, data_path, all_turns)
+        )
     worker = llm.llm_engine.engine_core.executor.worker
     arch, name = worker.arch, target_name(model)
     target = worker.model  # embedding and LM head, [vocab, H] each:

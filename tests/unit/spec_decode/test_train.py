@@ -158,6 +158,16 @@ def test_held_out_rows_are_never_used(tmp_path) -> None:
     texts = load_training_prompts(800, str(path))
     assert texts == [f"row {i}" for i in range(800)]
     assert load_training_prompts(3, str(path)) == ["row 0", "row 1", "row 2"]
+    # Every user turn (not the assistant's) of the training rows only.
+    rows = [
+        {"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"},
+                           {"from": "human", "value": f"r{i}"}]}
+        for i in range(1000)
+    ]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    texts = load_training_prompts(800, str(path), all_turns=True)
+    assert texts[:4] == ["q0", "r0", "q1", "r1"] and len(texts) == 1600
+    assert "q800" not in texts and "r799" in texts
 
 
 def test_train_draft_end_to_end_and_cli(tmp_path, tiny_dir: str) -> None:
