@@ -86,7 +86,6 @@ class Scheduler:
         # Speculative decoding: drafts arrive with each ModelRunnerOutput and are scheduled
         # (with their KV slots) the next step. Drafters that run a model write KV for the
         # drafts they feed back in, `num_lookahead_tokens` slots past the scheduled ones.
-        self.speculative_config = speculative_config
         self.num_lookahead_tokens = 0
         if speculative_config is not None and speculative_config.method in ("draft_model", "eagle"):
             self.num_lookahead_tokens = speculative_config.num_speculative_tokens

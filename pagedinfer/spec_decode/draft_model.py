@@ -73,7 +73,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> list[list[int]]:
-        from pagedinfer.worker.model_runner import make_attention_metadata
+        from pagedinfer.worker.model_runner import make_attention_metadata, padded_block_table
 
         states = batch.states
         bs = self.block_size
@@ -84,10 +84,7 @@ class DraftModelProposer(Proposer):
         num_drafts = np.minimum(self.num_speculative_tokens, np.maximum(room, 0))
         drafts: list[list[int]] = [[] for _ in states]
         tokens = [s.all_token_ids[-1] for s in states]
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table_all = np.zeros((len(states), max_blocks), dtype=np.int32)
-        for i, s in enumerate(states):
-            block_table_all[i, : len(s.block_ids)] = s.block_ids
+        block_table_all = padded_block_table([s.block_ids for s in states])
         model = self.draft.model
         for step in range(int(num_drafts.max(initial=0))):
             active = np.nonzero(num_drafts > step)[0]  # requests still drafting

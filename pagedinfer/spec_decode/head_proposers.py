@@ -26,11 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedinfer.attention.backend import AttentionBackend, ForwardContext, set_forward_context
+from pagedinfer.attention.backend import AttentionBackend
 from pagedinfer.config import SpeculativeConfig
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.spec_decode.heads import EagleHead, HeadConfig, MedusaHeads, load_heads
 from pagedinfer.spec_decode.proposer import DraftBatch, Proposer
+from pagedinfer.worker.model_runner import make_attention_metadata, padded_block_table
 
 __all__ = ["EagleProposer", "MedusaProposer", "load_head_file"]
 
@@ -120,23 +121,20 @@ class EagleProposer(_HeadProposer):
         block_table: np.ndarray,
     ) -> torch.Tensor:
         """The head over runs of `num_scheduled[i]` positions from `starts[i]` (paged)."""
-        from pagedinfer.worker.model_runner import make_attention_metadata
-
         common, positions = make_attention_metadata(
             num_scheduled, starts, block_table, self.block_size
         )
-        ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
+        metadata = self.backend.build(common)
 
         def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self.backend.forward(q, k, v, self.kv_caches[0], ctx.attn_metadata)
+            return self.backend.forward(q, k, v, self.kv_caches[0], metadata)
 
-        with set_forward_context(ctx):
-            return self.head(
-                features,
-                self.target.embed_tokens(next_tokens),
-                torch.from_numpy(positions),
-                attention=paged,
-            )
+        return self.head(
+            features,
+            self.target.embed_tokens(next_tokens),
+            torch.from_numpy(positions),
+            attention=paged,
+        )
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> list[list[int]]:
@@ -152,7 +150,7 @@ class EagleProposer(_HeadProposer):
             next_ids.extend(tokens[run.start + 1 : run.start + 1 + run.num_real])
         num_real = np.array([run.num_real for run in runs], dtype=np.int64)
         starts = np.array([run.start for run in runs], dtype=np.int64)
-        table = _block_table([s.block_ids for s in states])
+        table = padded_block_table([s.block_ids for s in states])
         live = num_real > 0
         drafts: list[list[int]] = [[] for _ in batch.states]
         if not live.any():
@@ -187,26 +185,15 @@ class EagleProposer(_HeadProposer):
         for step in range(1, int(num_drafts.max(initial=0))):
             active = np.nonzero(num_drafts > step)[0]
             index = torch.from_numpy(active)
-            feats = self._run(
+            step_feats = self._run(
                 feats[index],
                 token[index],
                 np.ones(len(active), dtype=np.int64),
                 positions[active] + step - 1,
                 np.ascontiguousarray(sub_table[active]),
             )
-            token = self._argmax_tokens(feats)
-            for j, t in zip(active.tolist(), token.tolist()):
+            step_tokens = self._argmax_tokens(step_feats)
+            feats[index], token[index] = step_feats, step_tokens  # rows stay per request
+            for j, t in zip(active.tolist(), step_tokens.tolist()):
                 drafts[j].append(t)
-            # Keep the rows aligned with `active` for the next step.
-            full_feats = torch.zeros(len(sampling), feats.shape[-1], dtype=feats.dtype)
-            full_tokens = torch.zeros(len(sampling), dtype=torch.int64)
-            full_feats[index], full_tokens[index] = feats, token
-            feats, token = full_feats, full_tokens
         return drafts
-
-
-def _block_table(block_ids: list[list[int]]) -> np.ndarray:
-    table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
-    for i, ids in enumerate(block_ids):
-        table[i, : len(ids)] = ids
-    return table

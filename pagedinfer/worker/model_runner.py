@@ -43,7 +43,7 @@ from pagedinfer.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelRunner", "CachedRequestState", "make_attention_metadata"]
+__all__ = ["ModelRunner", "CachedRequestState", "make_attention_metadata", "padded_block_table"]
 
 _GREEDY_EPS = 1e-5
 
@@ -106,6 +106,14 @@ class _StepState:
     """[num_tokens, hidden_size], kept only for proposers that read the target's features."""
     runs: list[tuple[str, int, int, int]] | None = None
     """With `hidden`: per request (req_id, first row, start position, tokens run)."""
+
+
+def padded_block_table(block_ids: list[list[int]]) -> np.ndarray:
+    """`[num_reqs, max_blocks]` int32 block table, each row padded with 0."""
+    table = np.zeros((len(block_ids), max(len(ids) for ids in block_ids)), dtype=np.int32)
+    for i, ids in enumerate(block_ids):
+        table[i, : len(ids)] = ids
+    return table
 
 
 def make_attention_metadata(
@@ -240,8 +248,7 @@ class ModelRunner:
         drafts_of = so.scheduled_spec_decode_tokens
         spec_drafts: list[list[int]] = []  # per sampling request
         prompt_lp_reqs: list[tuple[str, int, int]] = []  # (req_id, first row, num rows)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table_np = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        block_table_np = padded_block_table([s.block_ids for s in states])
         for i, state in enumerate(states):
             start, end = int(computed_np[i]), int(seq_lens_np[i])
             drafts = drafts_of.get(state.req_id)
@@ -255,7 +262,6 @@ class ModelRunner:
                 logits_rows.extend(range(last - len(drafts), last + 1))
                 sampling_req_ids.append(state.req_id)
                 spec_drafts.append(drafts)
-            block_table_np[i, : len(state.block_ids)] = state.block_ids
             num_prompt = len(state.prompt_token_ids)
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
                 # Rows predicting prompt tokens start+1 .. min(end, num_prompt - 1).

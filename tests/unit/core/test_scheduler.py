@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pagedinfer.core.request import RequestStatus
 
-from .utils import EOS, create_requests, create_scheduler, make_output
+from .utils import (
+    EOS,
+    ScriptedGrammar,
+    add_guided_request,
+    create_requests,
+    create_scheduler,
+    make_output,
+)
 
 
 def test_schedule_new_requests_whole_prompts() -> None:
@@ -262,48 +269,15 @@ def test_request_whose_grammar_failed_finishes_alone_with_the_error() -> None:
     assert bad.request_id in sched.finished_req_ids
 
 
-class _ScriptedGrammar:
-    """A grammar that accepts `allowed` tokens in order, then is complete."""
-
-    def __init__(self, allowed: list[int]) -> None:
-        self.allowed, self.pos = allowed, 0
-
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        for t in tokens:
-            if self.pos >= len(self.allowed) or t != self.allowed[self.pos]:
-                return False
-            self.pos += 1
-        return True
-
-    def is_terminated(self) -> bool:
-        return self.pos == len(self.allowed)
-
-
-def _guided_scheduler(grammar: _ScriptedGrammar):
-    from pagedinfer.config import EngineConfig
-    from pagedinfer.sampling_params import StructuredOutputsParams
-    from pagedinfer.structured_output.manager import (
-        StructuredOutputManager,
-        StructuredOutputRequest,
-        spec_key,
-    )
-
+def _guided_scheduler(grammar: ScriptedGrammar):
     sched = create_scheduler()
-    sched.structured_output_manager = StructuredOutputManager(EngineConfig(), 1000, 16)
     (req,) = create_requests(1, max_tokens=10)
-    params = StructuredOutputsParams(regex="ab")
-    req.structured_output_request = StructuredOutputRequest(
-        params,
-        "xgrammar",
-        spec_key(params),
-        grammar=grammar,  # type: ignore[arg-type]
-    )
-    sched.add_request(req)
+    add_guided_request(sched, req, grammar)
     return sched, req
 
 
 def test_a_complete_grammar_finishes_its_request_with_stop() -> None:
-    sched, req = _guided_scheduler(_ScriptedGrammar([7, 8]))
+    sched, req = _guided_scheduler(ScriptedGrammar([7, 8]))
     reasons = []
     for token in (7, 8):
         so = sched.schedule()
@@ -314,7 +288,7 @@ def test_a_complete_grammar_finishes_its_request_with_stop() -> None:
 
 
 def test_a_token_the_grammar_refuses_ends_the_request_with_an_error() -> None:
-    sched, req = _guided_scheduler(_ScriptedGrammar([7, 8]))
+    sched, req = _guided_scheduler(ScriptedGrammar([7, 8]))
     so = sched.schedule()
     eco = sched.update_from_output(so, make_output(so, sched, token=9))  # a dead end
     (out,) = eco.outputs

@@ -8,7 +8,13 @@ from pagedinfer.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedinfer.core.request import Request, RequestStatus
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.core.scheduler import Scheduler
-from tests.unit.core.utils import EOS, create_requests, make_hasher
+from tests.unit.core.utils import (
+    EOS,
+    ScriptedGrammar,
+    add_guided_request,
+    create_requests,
+    make_hasher,
+)
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, draft_layers=4)
@@ -197,51 +203,11 @@ def test_only_verified_tokens_are_prefix_cached() -> None:
     assert cached[req.request_id] == 2  # now verified
 
 
-class _PrefixGrammar:
-    """Accepts exactly the tokens of `script`, in order."""
-
-    def __init__(self, script: list[int]) -> None:
-        self.script, self.pos = script, 0
-
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        if self.script[self.pos : self.pos + len(tokens)] != tokens:
-            return False
-        self.pos += len(tokens)
-        return True
-
-    def validate_tokens(self, tokens: list[int]) -> list[int]:
-        n = 0
-        while n < len(tokens) and self.pos + n < len(self.script):
-            if self.script[self.pos + n] != tokens[n]:
-                break
-            n += 1
-        return tokens[:n]
-
-    def is_terminated(self) -> bool:
-        return self.pos == len(self.script)
-
-
 def test_guided_drafts_are_cut_to_what_the_grammar_accepts() -> None:
-    from pagedinfer.config import EngineConfig
-    from pagedinfer.sampling_params import StructuredOutputsParams
-    from pagedinfer.structured_output.manager import (
-        StructuredOutputManager,
-        StructuredOutputRequest,
-        spec_key,
-    )
-
     sched = spec_scheduler()
-    sched.structured_output_manager = StructuredOutputManager(EngineConfig(), 1000, 8)
     (req,) = create_requests(1, num_tokens=6, max_tokens=50)
-    params = StructuredOutputsParams(regex="x")
-    grammar = _PrefixGrammar([7, 1, 2, 3, 4, 5, 6])
-    req.structured_output_request = StructuredOutputRequest(
-        params,
-        "xgrammar",
-        spec_key(params),
-        grammar=grammar,  # type: ignore[arg-type]
-    )
-    sched.add_request(req)
+    grammar = ScriptedGrammar([7, 1, 2, 3, 4, 5, 6])
+    add_guided_request(sched, req, grammar)
     so = sched.schedule()
     # After 7, the grammar allows 1 2 3 ...: of the draft [1, 2, 9, 3] only [1, 2] survive.
     sched.update_from_output(so, output(so, {req.request_id: [7]}, {req.request_id: [1, 2, 9, 3]}))

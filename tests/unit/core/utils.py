@@ -85,3 +85,53 @@ def make_output(so: SchedulerOutput, scheduler: Scheduler, token: int = 7) -> Mo
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
     )
+
+
+class ScriptedGrammar:
+    """A stand-in grammar that takes exactly the tokens of `script`, in order, then is
+    complete (all or nothing per call, as the real backends)."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script, self.pos = script, 0
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        if self.script[self.pos : self.pos + len(tokens)] != tokens:
+            return False
+        self.pos += len(tokens)
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        n = 0
+        while n < len(tokens) and self.pos + n < len(self.script):
+            if self.script[self.pos + n] != tokens[n]:
+                break
+            n += 1
+        return tokens[:n]
+
+    def is_terminated(self) -> bool:
+        return self.pos == len(self.script)
+
+
+def add_guided_request(scheduler: Scheduler, request: Request, grammar: ScriptedGrammar) -> None:
+    """Give `scheduler` a structured-output manager and add `request`, already compiled to
+    `grammar`."""
+    from pagedinfer.config import EngineConfig
+    from pagedinfer.sampling_params import StructuredOutputsParams
+    from pagedinfer.structured_output.manager import (
+        StructuredOutputManager,
+        StructuredOutputRequest,
+        spec_key,
+    )
+
+    if scheduler.structured_output_manager is None:
+        scheduler.structured_output_manager = StructuredOutputManager(
+            EngineConfig(), 1000, scheduler.max_num_running_reqs
+        )
+    params = StructuredOutputsParams(regex="x")
+    request.structured_output_request = StructuredOutputRequest(
+        params,
+        "xgrammar",
+        spec_key(params),
+        grammar=grammar,  # type: ignore[arg-type]
+    )
+    scheduler.add_request(request)
