@@ -9,6 +9,7 @@ Nothing in this module reads the environment (that is `envs.py`'s job).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -136,7 +137,7 @@ class SpeculativeConfig:
     """ngram: the shortest suffix tried before giving up."""
     model: str | None = None
     """draft_model: the draft model (GGUF file or HF directory); eagle/medusa: the heads file
-    (`pagedinfer train-draft`)."""
+    (`pagedinfer train-draft`), by default the heads shipped for the default model."""
     draft_layers: int | None = Field(default=None, ge=1)
     """draft_model without `model`: a self-speculative draft made of the target's first N
     layers, its final norm and its LM head."""
@@ -164,9 +165,7 @@ class SpeculativeConfig:
         elif self.method == "draft_model":
             if (self.model is None) == (self.draft_layers is None):
                 raise ValueError("draft_model needs exactly one of `model` or `draft_layers`")
-        elif self.model is None:
-            raise ValueError(f"{self.method} needs `model`: the heads file (train-draft)")
-        return self
+        return self  # eagle/medusa without `model`: EngineConfig picks the shipped heads
 
 
 @dataclass(config=_FROZEN)
@@ -193,4 +192,15 @@ class EngineConfig:
                 f"max_model_len ({model.max_model_len}) with chunked prefill disabled: "
                 "long prompts could never be scheduled."
             )
+        spec = self.speculative_config
+        if spec is not None and spec.method in ("eagle", "medusa") and spec.model is None:
+            from pagedinfer.spec_decode.heads import default_heads_path
+
+            path = default_heads_path(spec.method, model.model)
+            if path is None:
+                raise ValueError(
+                    f"{spec.method} needs `model`: a heads file for {model.model}, made by "
+                    "`pagedinfer train-draft` (heads ship only for the default model)"
+                )
+            object.__setattr__(self, "speculative_config", replace(spec, model=path))
         return self

@@ -17,8 +17,8 @@ the input (h_{P-1}, e(r)): its predicted feature f_P gives draft 1 (the token at
 draft i + 1 comes from (f_{P+i-1}, e(draft i)) stored at position P + i - 1, inside the
 `num_speculative_tokens` lookahead slots the scheduler reserves.
 
-Medusa needs no cache: head i on h_{P-1} (the feature that produced r) predicts the token
-at P + 1 + i.
+Medusa needs no cache: its heads read h_{P-1} (the feature that produced r) and e(r), and
+head i (0-based) predicts the token at P + 1 + i.
 """
 
 from __future__ import annotations
@@ -28,12 +28,37 @@ import torch
 
 from pagedinfer.attention.backend import AttentionBackend
 from pagedinfer.config import SpeculativeConfig
+from pagedinfer.model.linear import Linear
 from pagedinfer.model.llama import LlamaForCausalLM
+from pagedinfer.model.quant import GROUP_SIZE, QuantizedWeight, quantize_q8_0
 from pagedinfer.spec_decode.heads import EagleHead, HeadConfig, MedusaHeads, load_heads
 from pagedinfer.spec_decode.proposer import DraftBatch, Proposer
 from pagedinfer.worker.model_runner import make_attention_metadata, padded_block_table
 
-__all__ = ["EagleProposer", "MedusaProposer", "load_head_file"]
+__all__ = ["EagleProposer", "MedusaProposer", "fast_linear", "load_head_file"]
+
+# Draft heads run a few rows per call. As plain bf16 `F.linear` (oneDNN reorders the
+# weight every call) one EAGLE pass took ~2 ms at batch 1 and a step makes k of them,
+# which made EAGLE slower than no speculation; the target's own small-step path (Q8_0
+# blocks through the C++ kernel, oneDNN's prepacked layout for bigger steps) cuts that
+# several-fold. Q8_0 changes the drafts' logits by rounding only: drafts, not outputs.
+_QUANT_MAX_ROWS = 8
+_PREPACK_BATCH_HINT = 16
+
+
+def fast_linear(weight: torch.Tensor, quantize: bool = True) -> Linear:
+    """A `Linear` computing x @ weight.T: Q8_0 blocks for steps of <= 8 rows (when the C++
+    kernels are built and the input width is a multiple of 32), prepacked dense otherwise."""
+    from pagedinfer.kernels.cpu import load_cpu_kernels
+
+    out_features, in_features = weight.shape
+    layer = Linear(in_features, out_features)
+    layer.weight = torch.nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
+    kernels = load_cpu_kernels() if quantize and in_features % GROUP_SIZE == 0 else None
+    if kernels is not None:
+        layer.set_quant(QuantizedWeight(quantize_q8_0(weight), kernels), _QUANT_MAX_ROWS)
+    layer.prepack(_PREPACK_BATCH_HINT)
+    return layer
 
 
 def load_head_file(
@@ -53,32 +78,57 @@ def load_head_file(
 
 
 class _HeadProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, target: LlamaForCausalLM, head_path: str):
+    def __init__(
+        self, config: SpeculativeConfig, target: LlamaForCausalLM, head_path: str,
+        quantize: bool = True,
+    ) -> None:  # fmt: skip
         self.num_speculative_tokens = config.num_speculative_tokens
         self.target = target
+        self.quantize = quantize
         dtype = target.embed_tokens.weight.dtype
         self.head, self.head_config, self.draft_vocab, self.lm_head = load_head_file(
             head_path, target, dtype
         )
+        self.lm_head_linear = fast_linear(self.lm_head, quantize)
 
     def _argmax_tokens(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> target token ids [...] of the draft vocabulary's argmax."""
-        logits = features @ self.lm_head.T  # [..., V_d]
-        return self.draft_vocab[logits.argmax(dim=-1)]
+        shape = features.shape[:-1]
+        logits = self.lm_head_linear(features.reshape(-1, features.shape[-1]))  # [n, V_d]
+        return self.draft_vocab[logits.argmax(dim=-1)].reshape(shape)
 
 
 class MedusaProposer(_HeadProposer):
     needs_hidden = True
 
-    def __init__(self, config: SpeculativeConfig, target: LlamaForCausalLM, head_path: str):
-        super().__init__(config, target, head_path)
+    def __init__(
+        self, config: SpeculativeConfig, target: LlamaForCausalLM, head_path: str,
+        quantize: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__(config, target, head_path, quantize)
         assert isinstance(self.head, MedusaHeads)
         num_heads = self.head_config.num_medusa_heads
-        if config.num_speculative_tokens > num_heads:
+        k = config.num_speculative_tokens
+        if k > num_heads:
             raise ValueError(
-                f"num_speculative_tokens ({config.num_speculative_tokens}) exceeds the "
-                f"{num_heads} Medusa heads in {head_path}"
+                f"num_speculative_tokens ({k}) exceeds the {num_heads} Medusa heads in {head_path}"
             )
+        # The first k heads as plain matmuls: fc, every head's up projection in one, and
+        # each head's down projection.
+        head = self.head
+        m = self.head_config.medusa_intermediate_size
+        self.fc = fast_linear(head.fc.weight, quantize)
+        self.up = fast_linear(head.up[:k].reshape(k * m, -1), quantize)  # [k * m, H]
+        self.up_bias = head.up_bias[:k].reshape(k * m)
+        self.down = [fast_linear(head.down[i], quantize) for i in range(k)]  # [H, m] each
+
+    def features(self, hidden: torch.Tensor, new_tokens: torch.Tensor) -> torch.Tensor:
+        """`MedusaHeads.forward` for the first k heads: h [T, H] and the tokens they produced
+        [T] -> per-head features [k, T, H]."""
+        x = self.fc(torch.cat([self.target.embed_tokens(new_tokens), hidden], dim=-1))
+        u = torch.nn.functional.silu(self.up(x) + self.up_bias)  # [T, k * m]
+        parts = u.chunk(len(self.down), dim=-1)
+        return torch.stack([x + down(part) for down, part in zip(self.down, parts)])
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> list[list[int]]:
@@ -87,8 +137,8 @@ class MedusaProposer(_HeadProposer):
         assert batch.hidden is not None
         rows = torch.tensor(batch.last_real_rows, dtype=torch.int64)
         features = batch.hidden[rows]  # [num_reqs, H]
-        k = self.num_speculative_tokens
-        per_head = self.head(features)[:k]  # [k, num_reqs, H]
+        new_tokens = torch.tensor([s.all_token_ids[-1] for s in batch.states])
+        per_head = self.features(features, new_tokens)  # [k, num_reqs, H]
         tokens = self._argmax_tokens(per_head).T  # [num_reqs, k]
         return tokens.tolist()
 
@@ -105,9 +155,12 @@ class EagleProposer(_HeadProposer):
         backend: AttentionBackend,
         kv_cache: torch.Tensor,
         block_size: int,
+        quantize: bool = True,
     ):
-        super().__init__(config, target, head_path)
+        super().__init__(config, target, head_path, quantize)
         assert isinstance(self.head, EagleHead)
+        for name in ("fc", "qkv", "o", "gate_up", "down"):
+            setattr(self.head, name, fast_linear(getattr(self.head, name).weight, quantize))
         self.backend = backend
         self.kv_caches = [kv_cache]  # one layer: [2, num_blocks, block_size, kv_heads, D]
         self.block_size = block_size

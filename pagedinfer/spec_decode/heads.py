@@ -11,8 +11,13 @@ k times a step.
   Llama decoder layer (attention over the earlier positions, with its own KV cache) turns it
   into a predicted feature f_{t+1} ~ h_{t+1}, and the LM head gives token t+2. Drafting
   feeds f and the drafted token back in.
-- `MedusaHeads` (Cai et al. 2024): head i (1..k) maps h_t through a residual SiLU block to a
-  feature whose LM-head logits predict token t+1+i, all from the same h_t.
+- `MedusaHeads` (Cai et al. 2024): k heads predict the tokens t+2..t+1+k in parallel from
+  one input. Deviation from Medusa (and vLLM), whose heads read h_t alone: ours also read
+  the embedding of x_{t+1}, the token the target just chose from h_t, which every proposer
+  call has in hand. On a 135M model h_t alone left head 1 at 23% top-1 (it has to recompute
+  the target's own argmax); with the token in, the heads stay parallel and one pass, as
+  Medusa's (Hydra-style heads, which also feed drafted tokens back, are not this).
+  `fc` maps [e(x_{t+1}); h_t] to x, and head i is a residual SiLU MLP on x.
 
 Files are safetensors (tensors only; no pickle) with a JSON `config` in the metadata:
 {"method", "hidden_size", ..., "target"} so a head is never loaded against the wrong model.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,7 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HeadConfig", "EagleHead", "MedusaHeads", "load_heads", "save_heads"]
+__all__ = [
+    "HeadConfig", "EagleHead", "MedusaHeads", "default_heads_path", "load_heads", "save_heads",
+]  # fmt: skip
+
+TRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trained")
+"""Heads trained for the default model by `pagedinfer train-draft` (see docs/benchmarks.md)."""
+_SHIPPED = {
+    "eagle": "smollm2-135m-instruct-eagle.safetensors",
+    "medusa": "smollm2-135m-instruct-medusa.safetensors",
+}
 
 
 @dataclass
@@ -47,6 +62,7 @@ class HeadConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     num_medusa_heads: int = 0
+    medusa_intermediate_size: int = 0  # each Medusa head's MLP width
     target: str = ""  # the target model's name, checked at load time
 
 
@@ -126,15 +142,33 @@ class MedusaHeads(nn.Module):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
-        h, k = config.hidden_size, config.num_medusa_heads
-        self.proj = nn.Parameter(torch.empty(k, h, h))  # small: head i starts near h itself
-        self.bias = nn.Parameter(torch.zeros(k, h))
-        nn.init.normal_(self.proj, std=0.02 / math.sqrt(h))
+        h, k, m = config.hidden_size, config.num_medusa_heads, config.medusa_intermediate_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        with torch.no_grad():  # starts as x = h_t
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:].copy_(torch.eye(h))
+        self.up = nn.Parameter(torch.empty(k, m, h))
+        self.up_bias = nn.Parameter(torch.zeros(k, m))
+        self.down = nn.Parameter(torch.zeros(k, h, m))  # each head starts as x itself
+        nn.init.normal_(self.up, std=1.0 / math.sqrt(h))
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """h_t [T, H] -> per-head features [k, T, H] (head i predicts token t+1+i)."""
-        z = torch.einsum("th,kgh->ktg", features, self.proj) + self.bias[:, None, :]
-        return features[None] + F.silu(z)
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """h_t [T, H] and e(x_{t+1}) [T, H] -> per-head features [k, T, H] (head i, 0-based,
+        predicts token t+2+i)."""
+        x = self.fc(torch.cat([next_embeds, features], dim=-1))  # [T, H]
+        u = torch.einsum("th,kmh->ktm", x, self.up) + self.up_bias[:, None, :]  # [k, T, m]
+        return x[None] + torch.einsum("ktm,khm->kth", F.silu(u), self.down)
+
+
+def default_heads_path(method: str, model: str | None) -> str | None:
+    """The shipped heads file for `method` if `model` is the default model (None, or its
+    GGUF file under any directory), else None."""
+    from pagedinfer.model.gguf import DEFAULT_MODEL_FILE
+
+    if model is not None and os.path.basename(os.path.normpath(model)) != DEFAULT_MODEL_FILE:
+        return None
+    path = os.path.join(TRAINED_DIR, _SHIPPED[method])
+    return path if os.path.exists(path) else None
 
 
 def save_heads(

@@ -12,13 +12,17 @@ Pipeline (`train_draft`), every stage deterministic given the seed:
 4. Training on CPU: AdamW (no weight decay), clipping, warmup then cosine decay. Labels are
    draft-vocabulary ids (`build_draft_vocab`); cross-entropy counts only generated labels.
    - EAGLE: (h_t + noise, e(x_{t+1})) -> f_{t+1}; loss SmoothL1(f_{t+1}, h_{t+1}) at every
-     position + `ce_weight` * CE(f_{t+1} W_d^T, x_{t+2}). Batches concatenate sequences
-     (about `batch_tokens` rows); attention stays causal within each sequence.
-   - Medusa: head i (0-based) on h_t predicts x_{t+2+i}; loss sum_i `head_decay`**i CE_i,
-     over batches of random positions.
+     position + `ce_weight` * CE(f_{t+1} W_d^T, x_{t+2}). Then `unroll_steps` - 1 more draft
+     steps as drafting runs them ("training-time test", as EAGLE-3): step s feeds back the
+     head's own f with the true x_{t+s}, attends to step 1's keys of the true prefix and its
+     own chain's, and adds the same loss (weight `step_decay`**(s-1)) against h_{t+s} and
+     x_{t+s+1}; only rows with a generated label at some step run them. Without it the
+     head never sees its own features, and step 2 and 3 accuracy collapses. Batches
+     concatenate sequences (about `batch_tokens` rows); attention stays within a sequence.
+   - Medusa: (h_t, e(x_{t+1})) -> head i (0-based) predicts x_{t+2+i}; loss
+     sum_i `head_decay`**i CE_i, over batches of random positions.
    Validation: a seeded 5% of the training prompts; top-1 accuracy over generated labels (one
-   outside the draft vocabulary is a miss). EAGLE reports step 1 (true features in) and
-   step 2 (its own f_{t+1} fed back with x_{t+2} over the true prefix, as drafting runs).
+   outside the draft vocabulary is a miss), per Medusa head, and per EAGLE draft step.
 5. `heads.save_heads` writes the head, its config, the draft vocabulary and the run's record.
 
 An offline tool driving the whole engine: it imports `LLM` and the worker's helpers lazily.
@@ -61,7 +65,7 @@ _KEEP_TAIL = 16  # a cut prompt keeps its last tokens: the template's assistant 
 _IGNORE = -100
 _OOV = -1
 
-DEFAULT_EPOCHS = {"eagle": 10, "medusa": 5}
+DEFAULT_EPOCHS = {"eagle": 4, "medusa": 3}
 DEFAULT_LR = {"eagle": 1e-3, "medusa": 2e-3}
 
 
@@ -241,6 +245,8 @@ class TrainSettings:
     clip_norm: float = 1.0
     warmup_frac: float = 0.05  # linear warmup, then cosine decay to 0
     ce_weight: float = 0.1  # EAGLE: token loss weight against the feature regression
+    unroll_steps: int = 3  # EAGLE: draft steps trained (each later one on its own output)
+    step_decay: float = 0.8  # EAGLE: step s's loss weight is step_decay ** (s - 1)
     noise: float = 0.05  # EAGLE: input features + U(-a, a), a = noise * the features' RMS
     head_decay: float = 0.8  # Medusa: head i's loss weight is head_decay ** i
     val_frac: float = 0.05
@@ -256,107 +262,182 @@ class _Frozen:
     to_draft: torch.Tensor  # [vocab_size] int64: draft index, or _OOV
 
 
-def _segment_attention(lengths: Sequence[int]) -> heads.Attention:
-    """Causal attention within each of consecutive sequences of `lengths` rows."""
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+@dataclass
+class _EagleRows:
+    """EAGLE training rows of some sequences, concatenated: row t of a sequence of T tokens
+    (t < T - 1) is the input (h_t, e(x_{t+1})) at position t."""
+
+    base: torch.Tensor  # [M] the data row of h_t
+    end: torch.Tensor  # [M] the sequence's end row
+    gen: torch.Tensor  # [M] the sequence's first generated row
+    positions: torch.Tensor  # [M]
+    segments: list[tuple[int, int, int]]  # per sequence: (first row, rows, first unrolled)
+
+    def unrolled(self) -> torch.Tensor:
+        """[M'] the rows that draft steps >= 2 run on: each sequence's suffix from
+        `first unrolled` (earlier rows have no generated label at any step)."""
+        return torch.cat([torch.arange(a + lo, a + n) for a, n, lo in self.segments])
+
+
+def _eagle_rows(data: DistillData, seqs: Sequence[int], num_steps: int) -> _EagleRows:
+    base, end, gen, pos, segments, offset = [], [], [], [], [], 0
+    for i in seqs:
+        a, b, g = data.rows(i)
+        n = b - a - 1
+        base.append(torch.arange(a, b - 1))
+        end.append(torch.full((n,), b))
+        gen.append(torch.full((n,), g))
+        pos.append(torch.arange(n))
+        # Step s's label at row t is x_{t+s+1}: generated once t >= g - a - s - 1.
+        lo = min(max(g - a - num_steps - 1, 0), n) if num_steps > 1 else n
+        segments.append((offset, n, lo))
+        offset += n
+    cat = torch.cat
+    return _EagleRows(cat(base), cat(end), cat(gen), cat(pos), segments)
+
+
+def _eagle_step_io(
+    data: DistillData, rows: _EagleRows, step: int, frozen: _Frozen, sel: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft step `step` (1-based) at rows `sel` (None: all): its input embedding
+    e(x_{t+step}), regression target h_{t+step}, whether those exist, and its label
+    x_{t+step+1} as a draft id (_IGNORE: absent or a prompt token; _OOV)."""
+    base, end, gen = (rows.base, rows.end, rows.gen) if sel is None else (
+        rows.base[sel], rows.end[sel], rows.gen[sel])  # fmt: skip
+    idx = base + step
+    valid = idx < end
+    safe = torch.where(valid, idx, base)  # an in-range row where x_{t+step} does not exist
+    embeds = frozen.embed[data.token_ids[safe]]
+    target = data.features[safe]
+    at = idx + 1
+    has = (at < end) & (at >= gen)
+    labels = torch.full(base.shape, _IGNORE, dtype=torch.int64)
+    labels[has] = frozen.to_draft[data.token_ids[at[has]]]
+    return embeds, target, valid, labels
+
+
+def _step_attention(
+    segments: Sequence[tuple[int, int, int]], store: list[torch.Tensor] | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chain: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+) -> heads.Attention:  # fmt: skip
+    """The head's attention in training, as drafting runs it. Step 1 (`prefix` None): causal
+    within each sequence, leaving its keys and values in `store`. Step s >= 2, on each
+    sequence's unrolled suffix: the row of t (at position t + s - 1) attends to step 1's
+    keys of positions 0..t (the true prefix), to its own chain's keys of steps 2..s-1
+    (`chain`, rows as the queries') and to its own."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        spans = zip(bounds, bounds[1:])
-        parts = [heads.causal_attention(q[a:b], k[a:b], v[a:b]) for a, b in spans]
-        return torch.cat(parts)  # [T, heads, head_dim]
+        if store is not None:
+            store[:] = [k, v]
+        groups = q.shape[1] // k.shape[1]
+        parts, off = [], 0
+        for a, n, lo in segments:
+            if prefix is None:
+                parts.append(heads.causal_attention(q[a : a + n], k[a : a + n], v[a : a + n]))
+                continue
+            m = n - lo
+            if m == 0:
+                continue
+            qs = q[off : off + m].transpose(0, 1)  # [heads, m, D]
+            kp = prefix[0][a : a + n].repeat_interleave(groups, dim=1).transpose(0, 1)
+            vp = prefix[1][a : a + n].repeat_interleave(groups, dim=1).transpose(0, 1)
+            own = [*chain, (k, v)]
+            kd = torch.stack([x[off : off + m] for x, _ in own], dim=2)  # [m, KV, s-1, D]
+            vd = torch.stack([y[off : off + m] for _, y in own], dim=2)
+            kd = kd.repeat_interleave(groups, dim=1).transpose(0, 1)  # [heads, m, s-1, D]
+            vd = vd.repeat_interleave(groups, dim=1).transpose(0, 1)
+            scale = q.shape[-1] ** -0.5
+            sp = (qs @ kp.transpose(1, 2)) * scale  # [heads, m, n]
+            allowed = torch.arange(n)[None, :] <= torch.arange(lo, n)[:, None]  # [m, n]
+            sp = sp.masked_fill(~allowed, float("-inf"))
+            sd = torch.einsum("hmd,hmsd->hms", qs, kd) * scale  # [heads, m, s-1]
+            w = torch.softmax(torch.cat([sp, sd], dim=-1).float(), dim=-1).to(q.dtype)
+            out = w[..., :n] @ vp + torch.einsum("hms,hmsd->hmd", w[..., n:], vd)
+            parts.append(out.transpose(0, 1))  # [m, heads, D]
+            off += m
+        return torch.cat(parts)
 
     return attend
 
 
-def _eagle_inputs(
-    data: DistillData, seqs: Sequence[int], frozen: _Frozen
-) -> tuple[torch.Tensor, ...]:
-    """Concatenated EAGLE rows of `seqs` (row t of a sequence of T tokens, t < T - 1):
-    features h_t [M, H], next embeds e(x_{t+1}) [M, H], positions [M], targets h_{t+1}
-    [M, H], labels x_{t+2} as draft ids [M] (_IGNORE: absent or a prompt token; _OOV),
-    and the per-sequence row counts."""
-    h, e, pos, tgt, lab, lengths = [], [], [], [], [], []
-    for i in seqs:
-        a, b, g = data.rows(i)
-        n = b - a - 1
-        h.append(data.features[a : b - 1])
-        tgt.append(data.features[a + 1 : b])
-        e.append(frozen.embed[data.token_ids[a + 1 : b]])
-        pos.append(torch.arange(n))
-        labels = torch.full((n,), _IGNORE, dtype=torch.int64)  # [n]
-        first = max(g - a - 2, 0)  # row t's label is token t + 2: generated from row g-a-2
-        labels[first : n - 1] = frozen.to_draft[data.token_ids[a + first + 2 : b]]
-        lab.append(labels)
-        lengths.append(n)
-    cat = torch.cat
-    return cat(h), cat(e), cat(pos), cat(tgt), cat(lab), lengths  # type: ignore[return-value]
+def _eagle_unroll(
+    head: heads.EagleHead, data: DistillData, rows: _EagleRows, frozen: _Frozen,
+    num_steps: int, noise: float = 0.0,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Run `num_steps` draft steps as drafting does (step s >= 2 feeds back step s - 1's
+    predicted feature with the true token x_{t+s}: the target accepted the drafts so far).
+    Per step: (predicted features, regression targets, valid rows, labels); step 1 over
+    every row, later steps over `rows.unrolled()`."""
+    embeds, target, valid, labels = _eagle_step_io(data, rows, 1, frozen, None)
+    h = data.features[rows.base]
+    if noise > 0:
+        h = h + (torch.rand_like(h) * 2 - 1) * noise  # EAGLE: robustness to its own f
+    kv1: list[torch.Tensor] = []
+    f = head(h, embeds, rows.positions, _step_attention(rows.segments, store=kv1))
+    out = [(f, target, valid, labels)]
+    if num_steps < 2:
+        return out
+    sel = rows.unrolled()
+    f, chain = f[sel], []
+    for step in range(2, num_steps + 1):
+        embeds, target, valid, labels = _eagle_step_io(data, rows, step, frozen, sel)
+        kv: list[torch.Tensor] = []
+        attend = _step_attention(rows.segments, kv, prefix=(kv1[0], kv1[1]), chain=chain)
+        f = head(f, embeds, rows.positions[sel] + step - 1, attend)
+        chain = [*chain, (kv[0], kv[1])]
+        out.append((f, target, valid, labels))
+    return out
 
 
 def _eagle_loss(
     head: heads.EagleHead, data: DistillData, seqs: Sequence[int], frozen: _Frozen,
     settings: TrainSettings, feature_rms: float,
 ) -> torch.Tensor:  # fmt: skip
-    h, e, pos, tgt, labels, lengths = _eagle_inputs(data, seqs, frozen)
-    a = settings.noise * feature_rms
-    h = h + (torch.rand_like(h) * 2 - 1) * a  # EAGLE: robustness to its own fed-back f
-    f = head(h, e, pos, _segment_attention(lengths))  # [M, H]
-    loss = F.smooth_l1_loss(f.float(), tgt)
-    sel = labels >= 0
-    if sel.any():
-        logits = f[sel] @ frozen.w_draft.T  # [num_labels, V_d]
-        loss = loss + settings.ce_weight * F.cross_entropy(logits.float(), labels[sel])
+    """Sum over unrolled steps s of step_decay**(s-1) * (SmoothL1(f, h) + ce_weight * CE)."""
+    rows = _eagle_rows(data, seqs, settings.unroll_steps)
+    steps = _eagle_unroll(
+        head, data, rows, frozen, settings.unroll_steps, settings.noise * feature_rms
+    )
+    loss = torch.zeros(())
+    for s, (f, target, valid, labels) in enumerate(steps):
+        part = torch.zeros(())
+        if valid.any():
+            part = part + F.smooth_l1_loss(f[valid].float(), target[valid])
+        sel = labels >= 0
+        if sel.any():
+            logits = f[sel] @ frozen.w_draft.T  # [num_labels, V_d]
+            part = part + settings.ce_weight * F.cross_entropy(logits.float(), labels[sel])
+        loss = loss + settings.step_decay**s * part
     return loss
-
-
-def _capturing_attention(store: list[torch.Tensor]) -> heads.Attention:
-    """Causal attention over one sequence that leaves its keys and values in `store`."""
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        store[:] = [k, v]
-        return heads.causal_attention(q, k, v)
-
-    return attend
-
-
-def _prefix_attention(k1: torch.Tensor, v1: torch.Tensor) -> heads.Attention:
-    """EAGLE's second draft step for all rows at once: row i (at position i + 1) attends to
-    step-1 keys/values of rows 0..i (the true prefix) and to its own key/value."""
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        m, groups = q.shape[0], q.shape[1] // k.shape[1]
-        keys = torch.cat([k1[:m], k]).repeat_interleave(groups, dim=1)  # [2M, heads, D]
-        values = torch.cat([v1[:m], v]).repeat_interleave(groups, dim=1)
-        eye = torch.eye(m, dtype=torch.bool)
-        mask = torch.cat([torch.ones(m, m, dtype=torch.bool).tril(), eye], dim=1)  # [M, 2M]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
-        )  # [heads, M, D]
-        return out.transpose(0, 1)
-
-    return attend
 
 
 @torch.no_grad()
 def _eagle_accuracy(
-    head: heads.EagleHead, data: DistillData, seqs: Sequence[int], frozen: _Frozen
+    head: heads.EagleHead,
+    data: DistillData,
+    seqs: Sequence[int],
+    frozen: _Frozen,
+    num_steps: int,
+    batch_tokens: int = 8192,
 ) -> list[float]:
-    """Top-1 accuracy of draft steps 1 and 2 over generated labels in `seqs`."""
-    hits, totals = [0, 0], [0, 0]
-    for i in seqs:
-        a, b, g = data.rows(i)
-        if b - a < 3:
+    """Top-1 accuracy of draft steps 1..num_steps over generated labels in `seqs` (step s
+    fed the head's own features of the steps before it; the true tokens)."""
+    hits, totals = [0] * num_steps, [0] * num_steps
+    group: list[int] = []
+    size = 0
+    for n, i in enumerate(seqs):
+        group.append(i)
+        size += data.starts[i + 1] - data.starts[i]
+        if size < batch_tokens and n + 1 < len(seqs):
             continue
-        h, e, pos, _, labels, _ = _eagle_inputs(data, [i], frozen)
-        kv: list[torch.Tensor] = []
-        f1 = head(h, e, pos, _capturing_attention(kv))  # [n, H]: f_{t+1}
-        # Step 2: (f_{t+1}, e(x_{t+2})) at position t + 1 predicts x_{t+3}.
-        f2 = head(f1[:-1], e[1:], pos[:-1] + 1, _prefix_attention(*kv))  # [n - 1, H]
-        for step, (f, lab) in enumerate(((f1, labels), (f2, labels[1:]))):
-            first = max(g - a - 2 - step, 0)  # rows whose label was generated
-            f, lab = f[first : len(lab) - 1], lab[first : len(lab) - 1]
-            pred = (f @ frozen.w_draft.T).argmax(-1)
-            hits[step] += int((pred == lab).sum())
-            totals[step] += len(lab)
+        rows = _eagle_rows(data, group, num_steps)
+        for s, (f, _, _, labels) in enumerate(_eagle_unroll(head, data, rows, frozen, num_steps)):
+            sel = labels != _IGNORE  # an _OOV label is a miss
+            pred = (f[sel] @ frozen.w_draft.T).argmax(-1)
+            hits[s] += int((pred == labels[sel]).sum())
+            totals[s] += int(sel.sum())
+        group, size = [], 0
     return [h / max(t, 1) for h, t in zip(hits, totals)]
 
 
@@ -388,7 +469,7 @@ def _medusa_loss(
     head: heads.MedusaHeads, data: DistillData, rows: torch.Tensor, labels: torch.Tensor,
     frozen: _Frozen, settings: TrainSettings,
 ) -> torch.Tensor:  # fmt: skip
-    z = head(data.features[rows])  # [k, B, H]
+    z = head(data.features[rows], frozen.embed[data.token_ids[rows + 1]])  # [k, B, H]
     loss = z.new_zeros(())
     for j in range(z.shape[0]):
         sel = labels[j] >= 0
@@ -405,7 +486,7 @@ def _medusa_accuracy(
     frozen: _Frozen,
 ) -> list[float]:  # fmt: skip
     """Top-1 accuracy of each head over its generated labels (out of vocab: a miss)."""
-    z = head(data.features[rows])  # [k, M, H]
+    z = head(data.features[rows], frozen.embed[data.token_ids[rows + 1]])  # [k, M, H]
     acc = []
     for j in range(z.shape[0]):
         sel = labels[j] != _IGNORE  # every generated label; an _OOV one is never predicted
@@ -481,7 +562,7 @@ def train_heads(
         train_s = time.perf_counter() - start
         head.eval()
         if method == "eagle":
-            acc = _eagle_accuracy(head, data, val_seqs, frozen)
+            acc = _eagle_accuracy(head, data, val_seqs, frozen, max(settings.unroll_steps, 2))
         else:
             acc = _medusa_accuracy(head, data, val_rows, val_labels, frozen)
         loss_avg, acc = loss_sum / max(len(batches), 1), [round(x, 4) for x in acc]
@@ -502,6 +583,7 @@ def _head_config(
         method=method, draft_vocab_size=draft_vocab_size, num_heads=arch.num_attention_heads,
         num_kv_heads=arch.num_key_value_heads, rope_theta=arch.rope_theta,
         num_medusa_heads=k if method == "medusa" else 0, target=target,
+        medusa_intermediate_size=2 * arch.hidden_size if method == "medusa" else 0,
         **{name: getattr(arch, name) for name in same},
     )  # fmt: skip
 
@@ -518,11 +600,11 @@ def target_name(model: str | None) -> str:
 def train_draft(
     method: str, *, out: str, model: str | None = None, dtype: str = "float32",
     num_prompts: int = HOLDOUT_START, max_tokens: int = 192, draft_vocab_size: int = 8192,
-    num_medusa_heads: int = 3, epochs: int | None = None, lr: float | None = None,
+    num_medusa_heads: int = 5, epochs: int | None = None, lr: float | None = None,
     seed: int = 0, data_path: str | None = None, data_cache: str | None = None,
     log: Callable[[str], Any] = print, prompts: Sequence[list[int]] | None = None,
     settings: dict[str, Any] | None = None, llm_kwargs: dict[str, Any] | None = None,
-    all_turns: bool = False,
+    all_turns: bool = False, train_dtype: str = "auto",
 ) -> dict[str, Any]:  # fmt: skip
     """Self-distil a draft head for `model` (None: the default GGUF) and save it to `out`.
 
@@ -531,8 +613,10 @@ def train_draft(
     by later ones with the same model, dtype, prompts and max_tokens (so EAGLE and Medusa,
     or several learning rates, share one generation); `prompts`: token-id prompts used
     instead of ShareGPT (tests); `settings`: `TrainSettings` overrides (ce_weight, noise,
-    bf16...); `llm_kwargs`: extra engine options. `epochs` / `lr` default to the method's
-    `DEFAULT_EPOCHS` / `DEFAULT_LR`. Returns the training record stored in the file.
+    bf16...); `llm_kwargs`: extra engine options; `train_dtype`: "bfloat16" autocasts the
+    heads' matmuls (AMX: ~2x), "auto" does where the CPU has native bf16. `epochs` / `lr`
+    default to the method's `DEFAULT_EPOCHS` / `DEFAULT_LR`. Returns the training record
+    stored in the file.
     """
     from pagedinfer.entrypoints.llm import LLM
 
@@ -541,11 +625,14 @@ def train_draft(
     args = {
         "method": method, "model": model, "dtype": dtype, "num_prompts": num_prompts,
         "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
-        "num_medusa_heads": num_medusa_heads, "all_turns": all_turns,
+        "num_medusa_heads": num_medusa_heads, "all_turns": all_turns, "train_dtype": train_dtype,
         "epochs": epochs or DEFAULT_EPOCHS[method],
         "lr": lr or DEFAULT_LR[method], "seed": seed,
     }  # fmt: skip
-    ts = TrainSettings(epochs=args["epochs"], lr=args["lr"], seed=seed, **(settings or {}))
+    from pagedinfer.worker.worker import resolve_dtype
+
+    settings = {"bf16": resolve_dtype(train_dtype) == torch.bfloat16, **(settings or {})}
+    ts = TrainSettings(epochs=args["epochs"], lr=args["lr"], seed=seed, **settings)
     times: dict[str, float] = {}
     torch.manual_seed(seed)
 
@@ -607,6 +694,9 @@ def train_draft(
         "times_s": {k: round(v, 2) for k, v in times.items()},
         **metrics,
     }
-    heads.save_heads(out, head, config, draft_vocab, extra)
+    # bf16 halves the file (the shipped heads are committed). Drafting runs the head in the
+    # target's dtype, so a bf16 engine (the default on CPUs with native bf16) drafts exactly
+    # as it would from float32 weights.
+    heads.save_heads(out, head.to(torch.bfloat16), config, draft_vocab, extra)
     log(f"saved {out} ({os.path.getsize(out) / 2**20:.1f} MiB); val top-1 {metrics['val_acc']}")
     return extra

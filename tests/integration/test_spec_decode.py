@@ -23,6 +23,9 @@ METHODS = {
     # A separate, smaller model with the same tokenizer and its own KV cache: the default
     # model cut to its first 4 layers (written by the `draft_dirs` fixture).
     "draft_model": {"method": "draft_model", "model": "small"},
+    # The trained heads shipped for the default model (pagedinfer/spec_decode/trained/).
+    "eagle": {"method": "eagle"},
+    "medusa": {"method": "medusa"},
 }
 
 
@@ -103,6 +106,38 @@ def test_a_draft_as_deep_as_the_target_is_always_accepted(draft, draft_dirs, pro
     assert stats["spec_num_draft_tokens"] > 150
     assert stats["spec_acceptance_rate"] > 0.97, stats
     llm.llm_engine.engine_core.shutdown()
+
+
+# Measured mean acceptance lengths of the shipped heads on this test's prompts (k=3, bf16,
+# 2026-11-30): EAGLE 1.63, Medusa 1.52. The issue's goal is 1.8 for both, not met yet
+# (docs/benchmarks.md); these floors, a little under the measurements, catch regressions.
+ACCEPTANCE_FLOOR = {"eagle": 1.55, "medusa": 1.45}
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_trained_heads_keep_their_acceptance_length(method) -> None:
+    """The shipped EAGLE and Medusa heads on held-out ShareGPT prompts (rows >= 800 of the
+    sample: never trained on), first turns, 96 tokens, temperature 0, k=3: the mean
+    acceptance length (1 + accepted / drafts) stays at its measured level."""
+    from pagedinfer import SamplingParams
+    from pagedinfer.spec_decode.train import HOLDOUT_START, chat_prompts
+
+    llm = _llm({"method": method, "num_speculative_tokens": 3}, dtype="bfloat16")
+    with open(_sharegpt_path(), encoding="utf-8") as f:
+        rows = json.load(f)[HOLDOUT_START:]
+    texts = [r["conversations"][0]["value"] for r in rows if r.get("conversations")][:24]
+    prompts = [{"prompt_token_ids": ids} for ids in chat_prompts(llm.get_tokenizer(), texts)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=96), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["spec_num_drafts"] > 300
+    assert stats["spec_mean_acceptance_length"] >= ACCEPTANCE_FLOOR[method], stats
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _sharegpt_path() -> str:
+    from pagedinfer.bench.datasets import default_sharegpt_path
+
+    return default_sharegpt_path()
 
 
 def test_seeded_sampling_repeats(prompts) -> None:

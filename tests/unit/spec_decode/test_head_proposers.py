@@ -41,7 +41,8 @@ def head_file(tmp_path, target: LlamaForCausalLM, method: str) -> str:
         draft_vocab_size=200, num_heads=arch.num_attention_heads,
         num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
         intermediate_size=arch.intermediate_size, rms_norm_eps=arch.rms_norm_eps,
-        rope_theta=arch.rope_theta, num_medusa_heads=3, target="tiny",
+        rope_theta=arch.rope_theta, num_medusa_heads=3, medusa_intermediate_size=24,
+        target="tiny",
     )  # fmt: skip
     torch.manual_seed(1)
     head = EagleHead(config) if method == "eagle" else MedusaHeads(config)
@@ -57,7 +58,9 @@ def eagle(tmp_path, target, k: int = 3) -> EagleProposer:
     arch = model.config
     kv = torch.zeros(2, NUM_BLOCKS, BLOCK, arch.num_key_value_heads, arch.head_dim)
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=k, model="x")
-    return EagleProposer(spec, model, head_file(tmp_path, model, "eagle"), backend, kv, BLOCK)
+    path = head_file(tmp_path, model, "eagle")
+    # quantize=False: exact comparisons with the dense head (Q8_0 only rounds the drafts).
+    return EagleProposer(spec, model, path, backend, kv, BLOCK, quantize=False)
 
 
 def test_paged_eagle_head_equals_its_dense_forward(tmp_path, target) -> None:
@@ -130,13 +133,48 @@ def test_eagle_drafts_stop_at_the_request_blocks(tmp_path, target) -> None:
 def test_medusa_heads_read_the_feature_that_produced_the_new_token(tmp_path, target) -> None:
     model, _ = target
     spec = SpeculativeConfig(method="medusa", num_speculative_tokens=3, model="x")
-    proposer = MedusaProposer(spec, model, head_file(tmp_path, model, "medusa"))
+    proposer = MedusaProposer(spec, model, head_file(tmp_path, model, "medusa"), quantize=False)
     hidden = torch.randn(7, model.config.hidden_size)
     a = _state("a", list(range(30, 38)), [0, 1])  # a verified run: 2 of 4 rows real
     (drafts,) = proposer.propose(DraftBatch(["a"], [a], hidden=hidden, runs=[StepRun(a, 3, 5, 2)]))
-    per_head = proposer.head(hidden[4:5])  # row 3 + 2 - 1
+    # Row 3 + 2 - 1's feature and the request's last token (the one it produced).
+    new_token = model.embed_tokens(torch.tensor([a.all_token_ids[-1]]))
+    per_head = proposer.head(hidden[4:5], new_token)
     expected = proposer.draft_vocab[(per_head[:, 0] @ proposer.lm_head.T).argmax(-1)].tolist()
     assert drafts == expected and len(drafts) == 3
+    # The proposer's matmul form of the heads equals the module's, Q8_0 blocks or not.
+    tokens = torch.tensor([5, 77, 130])
+    dense = proposer.head(hidden[:3], model.embed_tokens(tokens))
+    torch.testing.assert_close(proposer.features(hidden[:3], tokens), dense)
+    quantized = MedusaProposer(spec, model, head_file(tmp_path, model, "medusa"))
+    torch.testing.assert_close(quantized.features(hidden[:3], tokens), dense, rtol=0.05, atol=0.05)
     spec = SpeculativeConfig(method="medusa", num_speculative_tokens=4, model="x")
     with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
         MedusaProposer(spec, model, head_file(tmp_path, model, "medusa"))
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_the_default_model_gets_its_shipped_heads(tmp_path, method: str) -> None:
+    import os
+
+    from pagedinfer.config import EngineConfig, ModelConfig
+    from pagedinfer.model.gguf import DEFAULT_MODEL_FILE
+    from pagedinfer.spec_decode.heads import TRAINED_DIR, load_heads
+
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3)
+    path = EngineConfig(speculative_config=spec).speculative_config.model
+    assert path == os.path.join(TRAINED_DIR, f"smollm2-135m-instruct-{method}.safetensors")
+    _, config, vocab, record = load_heads(path)
+    assert config.target == DEFAULT_MODEL_FILE and len(vocab) == config.draft_vocab_size
+    assert config.num_medusa_heads == (5 if method == "medusa" else 0)  # k up to 5
+    assert record["args"]["method"] == method and record["args"]["all_turns"]
+    # The same file under another directory is still the default model; another model
+    # has no shipped heads and must name its own.
+    elsewhere = EngineConfig(
+        model_config=ModelConfig(model=str(tmp_path / DEFAULT_MODEL_FILE)), speculative_config=spec
+    )
+    assert elsewhere.speculative_config.model == path
+    with pytest.raises(ValueError, match="heads ship only for the default model"):
+        EngineConfig(
+            model_config=ModelConfig(model=str(tmp_path / "other")), speculative_config=spec
+        )

@@ -105,7 +105,7 @@ def test_training_learns_a_repeating_pattern(method: str, llm, pattern_data) -> 
     assert len(history) == 10
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     first, last = history[0]["val_acc"], history[-1]["val_acc"]
-    assert len(last) == 2  # eagle: draft steps 1 and 2; medusa: 2 heads
+    assert len(last) == (3 if method == "eagle" else 2)  # eagle: draft steps; medusa: heads
     assert min(last) > 0.9 and last[0] >= first[0]
 
 
@@ -131,7 +131,7 @@ def test_save_load_round_trip(tmp_path, llm, pattern_data) -> None:
         if method == "eagle":
             assert torch.equal(loaded(h, e, pos), head(h, e, pos))
         else:
-            assert torch.equal(loaded(h), head(h))
+            assert torch.equal(loaded(h, e), head(h, e))
 
 
 def test_draft_vocab_has_eos_and_the_most_frequent_generated_tokens() -> None:
@@ -193,9 +193,11 @@ def test_train_draft_end_to_end_and_cli(tmp_path, tiny_dir: str) -> None:
     assert (ns.method, ns.out, ns.num_prompts, ns.epochs) == ("eagle", "x.st", 800, None)
 
 
-def test_second_step_attention_matches_a_causal_pass() -> None:
-    # Fed the true next inputs instead of its own predictions, EAGLE's step 2 (row i at
-    # position i + 1, attending to step 1's prefix) must reproduce step 1's row i + 1.
+def test_unrolled_steps_attend_as_a_causal_pass() -> None:
+    # Fed the true next inputs instead of their own predictions, EAGLE's training-time draft
+    # steps 2 and 3 (row t at position t + s - 1, attending to step 1's prefix of its own
+    # sequence and to its own chain) must reproduce step 1's rows t + 1 and t + 2; two
+    # sequences side by side, one unrolled from its third row.
     from pagedinfer.model.loader import ModelArchConfig
 
     arch = ModelArchConfig(
@@ -208,9 +210,28 @@ def test_second_step_attention_matches_a_causal_pass() -> None:
     head = heads.EagleHead(train._head_config("eagle", arch, 32, 0, "x"))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.1)  # o/down start at zero: make attention matter
-    h, e, pos = torch.randn(12, 64), torch.randn(12, 64), torch.arange(12)
-    kv: list[torch.Tensor] = []
+    segments = [(0, 7, 2), (7, 5, 0)]  # (first row, rows, first unrolled row)
+    h, e = torch.randn(12, 64), torch.randn(12, 64)
+    pos = torch.cat([torch.arange(7), torch.arange(5)])
+    sel = torch.cat([torch.arange(2, 7), torch.arange(7, 12)])
+    local = pos[sel]
+    seg_end = torch.where(sel < 7, 7, 12)
+    kv1: list[torch.Tensor] = []
+    kv2: list[torch.Tensor] = []
     with torch.no_grad():
-        f1 = head(h, e, pos, train._capturing_attention(kv))
-        f2 = head(h[1:], e[1:], pos[:-1] + 1, train._prefix_attention(*kv))
-    torch.testing.assert_close(f2, f1[1:], rtol=1e-5, atol=1e-5)
+        f1 = head(h, e, pos, train._step_attention(segments, store=kv1))
+        nxt1 = torch.minimum(sel + 1, seg_end - 1)
+        attend2 = train._step_attention(segments, kv2, prefix=(kv1[0], kv1[1]))
+        f2 = head(h[nxt1], e[nxt1], local + 1, attend2)
+        nxt2 = torch.minimum(sel + 2, seg_end - 1)
+        attend3 = train._step_attention(segments, prefix=(kv1[0], kv1[1]), chain=[tuple(kv2)])
+        f3 = head(h[nxt2], e[nxt2], local + 2, attend3)
+    ok2, ok3 = sel + 1 < seg_end, sel + 2 < seg_end
+    assert int(ok3.sum()) == 6
+    torch.testing.assert_close(f2[ok2], f1[sel[ok2] + 1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(f3[ok3], f1[sel[ok3] + 2], rtol=1e-5, atol=1e-5)
+    # A wrong chain (step 2's keys left out) changes step 3.
+    attend_wrong = train._step_attention(segments, prefix=(kv1[0], kv1[1]))
+    with torch.no_grad():
+        wrong = head(h[nxt2], e[nxt2], local + 2, attend_wrong)
+    assert not torch.allclose(wrong[ok3], f1[sel[ok3] + 2], atol=1e-3)
