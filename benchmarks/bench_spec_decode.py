@@ -14,12 +14,13 @@ Tasks (greedy, chat template, the prompts of a task are the same for every confi
             the heads), their first turn as the prompt.
 
 Methods: ngram (prompt_lookup 2..5), draft_layers (the target's first N layers), eagle and
-medusa (the heads in `--heads-dir`). Each configuration gets a fresh engine (one alive at a
-time); per round the baseline (no speculation) and every method run the same prompts,
-the order rotating between rounds. Batch 1 sends the prompts one at a time; batch B sends B
-at once (prompts repeated to fill the batch when there are fewer). Reported: output tok/s,
-the ratio to the baseline of the same round, and the acceptance figures from
-`LLM.get_stats()`; the outputs are checked to equal the baseline's (greedy: they must).
+medusa (the heads in `--heads-dir`). Each method runs paired with the baseline (no
+speculation) on the same prompts: both engines are alive and take turns request by request
+(batch 1, one prompt at a time) or batch by batch (two batches of B, prompts repeated to fill
+them), who goes first alternating, so the machine's drift (+-20% within a minute on these
+shared hosts) hits both alike. Reported: output tok/s, the ratio to the paired baseline,
+and the acceptance figures from `LLM.get_stats()`; the outputs are compared with the
+baseline's (greedy in float32 they are equal; bf16 verify steps round differently).
 """
 
 from __future__ import annotations
@@ -142,9 +143,7 @@ def spec_config(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
     return {"method": method, "num_speculative_tokens": k, "model": path}
 
 
-def run_config(
-    method: str, prompts: list[list[int]], batch_size: int, args: argparse.Namespace
-) -> dict[str, Any]:
+def make_llm(method: str, args: argparse.Namespace) -> Any:
     from pagedinfer import LLM, SamplingParams
 
     llm = LLM(
@@ -154,38 +153,54 @@ def run_config(
         log_stats_interval_s=0,
         speculative_config=spec_config(method, args),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=8), use_tqdm=False)
-    before = llm.get_stats()
-    outputs: list[list[int]] = []
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8), use_tqdm=False)
+    return llm
+
+
+def timed_generate(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    from pagedinfer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_pair(
+    method: str, prompts: list[list[int]], batch_size: int, args: argparse.Namespace, r: int
+) -> dict[str, Any]:
+    """The baseline and `method`, both engines alive, alternating request by request (batch
+    1) or batch by batch, who goes first alternating too: the machine's drift (+-20% over a
+    minute here) hits both alike."""
+    llms = {"baseline": make_llm("baseline", args), method: make_llm(method, args)}
+    before = llms[method].get_stats()
     if batch_size == 1:
-        for ids in prompts:
-            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-            outputs.append(list(out.outputs[0].token_ids))
+        units = [[ids] for ids in prompts]
     else:
-        batch = [prompts[i % len(prompts)] for i in range(batch_size)]
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
-        outputs = [list(o.outputs[0].token_ids) for o in outs]
-    wall = time.perf_counter() - start
-    stats = llm.get_stats()
-    tokens = sum(len(o) for o in outputs)
-    result = {
-        "method": method,
-        "wall_s": wall,
-        "output_tokens": tokens,
-        "tok_s": tokens / wall,
-        "outputs": outputs,
+        units = [[prompts[i % len(prompts)] for i in range(batch_size)]] * 2
+    wall = {"baseline": 0.0, method: 0.0}
+    outputs: dict[str, list] = {"baseline": [], method: []}
+    for u, batch in enumerate(units):
+        order = ["baseline", method] if (u + r) % 2 == 0 else [method, "baseline"]
+        for name in order:
+            dt, outs = timed_generate(llms[name], batch, args.max_tokens)
+            wall[name] += dt
+            outputs[name].extend(outs)
+    stats = llms[method].get_stats()
+    for llm in llms.values():
+        llm.llm_engine.engine_core.shutdown()
+    del llms
+    gc.collect()
+    tokens = {name: sum(len(o) for o in outs) for name, outs in outputs.items()}
+    row = {
+        "tok_s": tokens[method] / wall[method],
+        "baseline_tok_s": tokens["baseline"] / wall["baseline"],
+        "same_outputs": outputs[method] == outputs["baseline"],
+        "drafts": stats.get("spec_num_drafts", 0) - before.get("spec_num_drafts", 0),
     }
     for key in ("spec_acceptance_rate", "spec_mean_acceptance_length"):
-        if key in stats:
-            result[key] = stats[key]
-    drafts = stats.get("spec_num_drafts", 0) - before.get("spec_num_drafts", 0)
-    result["drafts"] = drafts
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    return result
+        row[key] = stats.get(key)
+    return row
 
 
 def main() -> None:
@@ -218,26 +233,22 @@ def main() -> None:
         else:
             prompts = sharegpt_prompts(tokenizer, args.num_prompts)
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-            configs = ["baseline", *methods]
             for r in range(args.repeats):
-                order = configs[r % len(configs) :] + configs[: r % len(configs)]
-                runs = {m: run_config(m, prompts, batch_size, args) for m in order}
-                base = runs["baseline"]
                 for m in methods:
-                    run = runs[m]
+                    run = run_pair(m, prompts, batch_size, args, r)
                     row = {
                         "task": task, "batch_size": batch_size, "round": r + 1,
-                        "method": m, "tok_s": run["tok_s"], "baseline_tok_s": base["tok_s"],
-                        "ratio": run["tok_s"] / base["tok_s"],
-                        "same_outputs": run["outputs"] == base["outputs"],
-                        "acceptance_rate": run.get("spec_acceptance_rate"),
-                        "mean_acceptance_length": run.get("spec_mean_acceptance_length"),
-                        "output_tokens": run["output_tokens"],
+                        "method": m, "tok_s": run["tok_s"],
+                        "baseline_tok_s": run["baseline_tok_s"],
+                        "ratio": run["tok_s"] / run["baseline_tok_s"],
+                        "same_outputs": run["same_outputs"],
+                        "acceptance_rate": run["spec_acceptance_rate"],
+                        "mean_acceptance_length": run["spec_mean_acceptance_length"],
                     }  # fmt: skip
                     results.append(row)
                     log(
                         f"  {task} b={batch_size} r{r + 1} {m}: {run['tok_s']:.1f} tok/s vs "
-                        f"{base['tok_s']:.1f} ({row['ratio']:.2f}x), accept len "
+                        f"{run['baseline_tok_s']:.1f} ({row['ratio']:.2f}x), accept len "
                         f"{row['mean_acceptance_length']}, same outputs {row['same_outputs']}"
                     )
     print(f"Command: `{' '.join(['.venv/bin/python', *sys.argv])}` ({started}, commit "
