@@ -84,7 +84,6 @@ class _HeadProposer(Proposer):
     ) -> None:  # fmt: skip
         self.num_speculative_tokens = config.num_speculative_tokens
         self.target = target
-        self.quantize = quantize
         dtype = target.embed_tokens.weight.dtype
         self.head, self.head_config, self.draft_vocab, self.lm_head = load_head_file(
             head_path, target, dtype
