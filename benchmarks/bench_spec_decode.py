@@ -13,14 +13,16 @@ Tasks (greedy, chat template, the prompts of a task are the same for every confi
   sharegpt  held-out ShareGPT conversations (rows >= 800 of the sample, never used to train
             the heads), their first turn as the prompt.
 
-Methods: ngram (prompt_lookup 2..5), draft_layers (the target's first N layers), eagle and
-medusa (the heads in `--heads-dir`). Each method runs paired with the baseline (no
-speculation) on the same prompts: both engines are alive and take turns request by request
-(batch 1, one prompt at a time) or batch by batch (two batches of B, prompts repeated to fill
-them), who goes first alternating, so the machine's drift (+-20% within a minute on these
-shared hosts) hits both alike. Reported: output tok/s, the ratio to the paired baseline,
-and the acceptance figures from `LLM.get_stats()`; the outputs are compared with the
-baseline's (greedy in float32 they are equal; bf16 verify steps round differently).
+Methods: ngram (prompt_lookup 2..5, or `--prompt-lookup MIN,MAX`), draft_layers (the
+target's first N layers), eagle and medusa (the heads in `--heads-dir`); each with the
+engine's default `disable_by_batch_size` unless `--disable-by-batch-size`. Each method runs
+paired with the baseline (no speculation) on the same prompts: both engines are alive and
+take turns request by request (batch 1, one prompt at a time) or batch by batch (two batches
+of B, prompts repeated to fill them), who goes first alternating, so the machine's drift
+(+-20% within a minute on these shared hosts) hits both alike. Reported: output tok/s, the
+ratio to the paired baseline, and the acceptance figures from `LLM.get_stats()`; the
+outputs are compared with the baseline's (greedy in float32 they are equal; bf16 verify
+steps round differently).
 """
 
 from __future__ import annotations
@@ -130,12 +132,21 @@ def sharegpt_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 
 def spec_config(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
-    k = args.k
     if method == "baseline":
         return None
+    config = method_config(method, args)
+    if args.disable_by_batch_size != "auto":
+        limit = args.disable_by_batch_size
+        config["disable_by_batch_size"] = None if limit == "none" else int(limit)
+    return config
+
+
+def method_config(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    k = args.k
     if method == "ngram":
+        lo, hi = (int(x) for x in args.prompt_lookup.split(","))
         return {"method": "ngram", "num_speculative_tokens": k,
-                "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # fmt: skip
+                "prompt_lookup_min": lo, "prompt_lookup_max": hi}  # fmt: skip
     if method == "draft_layers":
         return {"method": "draft_model", "num_speculative_tokens": k,
                 "draft_layers": args.draft_layers}  # fmt: skip
@@ -152,6 +163,7 @@ def make_llm(method: str, args: argparse.Namespace) -> Any:
         kv_cache_memory_bytes=512 * 2**20,
         log_stats_interval_s=0,
         speculative_config=spec_config(method, args),
+        **({} if args.quant_max_tokens is None else {"quant_max_tokens": args.quant_max_tokens}),
     )
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8), use_tqdm=False)
     return llm
@@ -210,6 +222,18 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument(
+        "--disable-by-batch-size", default="auto",
+        help="speculative_config's disable_by_batch_size: auto (the method's default), none "
+        "(always speculate) or a number",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quant-max-tokens", type=int, default=None,
+        help="the engines' quant_max_tokens (default: the engine's default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt-lookup", default="2,5", help="ngram: prompt_lookup_min,prompt_lookup_max"
+    )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
@@ -252,8 +276,9 @@ def main() -> None:
                         f"{row['mean_acceptance_length']}, same outputs {row['same_outputs']}"
                     )
     print(f"Command: `{' '.join(['.venv/bin/python', *sys.argv])}` ({started}, commit "
-          f"{commit}, {args.dtype}, k={args.k}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores)\n")  # fmt: skip
+          f"{commit}, {args.dtype}, k={args.k}, ngram lookup {args.prompt_lookup}, "
+          f"disable_by_batch_size {args.disable_by_batch_size}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores)\n")  # fmt: skip
     print(
         "| task | batch | method | rounds: tok/s (baseline tok/s) | median ratio "
         "| mean acceptance length | acceptance rate | outputs equal baseline |"

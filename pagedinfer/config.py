@@ -47,15 +47,17 @@ class ModelConfig:
     only; "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernels
     build, else cpu_sdpa. With cpu_paged, models also run their norms, RoPE and
     SiLU-and-mul through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
-    quant_max_tokens: int = Field(default=8, ge=0)
+    quant_max_tokens: int = Field(default=32, ge=0)
     """Steps with at most this many tokens multiply by the GGUF file's own quantised
     matrices (Q4_0/Q4_1/Q8_0, and a Q8_0 LM head) through pagedinfer's C++ kernels instead
     of the dense weights: small-batch decode then reads 4.5-8.5 bits per weight instead of
     16 or 32. The weights are exactly the file's; float32 activations stay float32 (results
     equal the dense path's up to summation order), 16-bit ones are rounded to int8 per
     group of 32 on CPUs with AVX512-VNNI (as llama.cpp does). Larger steps use the dense
-    weights, faster once the product is compute-bound. Needs the cpu_paged backend's C++
-    build; 0 disables."""
+    weights, faster once the product is compute-bound: on the default model the quantised
+    path still won at 32 rows and lost at 64 (docs/benchmarks.md, session 9; the default
+    was 8 before, which sent a batch-4 speculative verify step of 16 rows to the dense
+    weights). Needs the cpu_paged backend's C++ build; 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
 
@@ -117,6 +119,20 @@ class StructuredOutputsConfig:
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
 
 
+DEFAULT_DISABLE_BY_BATCH_SIZE: dict[str, int] = {
+    # Paired runs against plain decoding, ShareGPT, k=3, bf16, 2 cores, batches 1/2/4/8
+    # (docs/benchmarks.md, session 9): ngram 1.26/1.02/1.06/0.85x, EAGLE 0.99/0.92/0.78/
+    # 0.70x, Medusa 1.10/1.13/0.90/0.81x.
+    "ngram": 4,
+    "eagle": 2,
+    "medusa": 2,
+    # Depends wholly on the draft; the self-speculative 8-layer draft of the default model
+    # loses even alone (0.52x), a real smaller model is not available here to measure.
+    "draft_model": 1,
+}
+"""`SpeculativeConfig.disable_by_batch_size` when left at "auto", per method."""
+
+
 @dataclass(config=_FROZEN)
 class SpeculativeConfig:
     """`speculative_config={...}` (`--speculative-config JSON` on the command line): a
@@ -141,9 +157,13 @@ class SpeculativeConfig:
     draft_layers: int | None = Field(default=None, ge=1)
     """draft_model without `model`: a self-speculative draft made of the target's first N
     layers, its final norm and its LM head."""
-    disable_by_batch_size: int | None = Field(default=None, ge=1)
+    disable_by_batch_size: int | Literal["auto"] | None = "auto"
     """Do not speculate in a step where more requests than this are running (speculation
-    pays at small batches and costs at large ones); None: always speculate."""
+    pays at small batches and costs at large ones); None: always speculate. "auto" (the
+    default) takes the method's entry in `DEFAULT_DISABLE_BY_BATCH_SIZE`: the largest batch
+    at which it measured no more than 10% slower than plain decoding (docs/benchmarks.md).
+    Deviation: vLLM's default is None. On a CPU a verify step of B * (k + 1) rows costs
+    more than B rows once the matmuls turn compute-bound, which here starts at a few rows."""
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
@@ -165,6 +185,11 @@ class SpeculativeConfig:
         elif self.method == "draft_model":
             if (self.model is None) == (self.draft_layers is None):
                 raise ValueError("draft_model needs exactly one of `model` or `draft_layers`")
+        if self.disable_by_batch_size == "auto":
+            default = DEFAULT_DISABLE_BY_BATCH_SIZE[self.method]
+            object.__setattr__(self, "disable_by_batch_size", default)
+        elif isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1 (or None: always speculate)")
         return self  # eagle/medusa without `model`: EngineConfig picks the shipped heads
 
 

@@ -217,6 +217,13 @@ def _add_train_draft_parser(sub: Any) -> None:
         help="Every user turn of the training rows is a prompt (default: turn 0 only).",
     )
     p.add_argument(
+        "--aux-layers",
+        default=None,
+        help="EAGLE: comma-separated target layers (0-based) whose residual streams join h_t "
+        "as the first draft step's input (fused features, as EAGLE-3, e.g. 2,15); default: "
+        "h_t alone.",
+    )
+    p.add_argument(
         "--data-cache",
         default=None,
         help="File for the generated sequences and features: written once, reused by later "
@@ -242,8 +249,22 @@ def _cmd_train_draft(ns: argparse.Namespace) -> int:
         data_cache=ns.data_cache,
         all_turns=ns.all_turns,
         train_dtype=ns.train_dtype,
+        aux_layers=_parse_layers(ns.aux_layers),
     )
     return 0
+
+
+def _parse_layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"--aux-layers: expected comma-separated integers or 'none', got {text!r}"
+        ) from None
 
 
 def _cmd_trace(ns: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ each at load time (`load_weights`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -229,13 +230,34 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
         `num_layers`: run only the first N decoder layers, then the final norm (the
         self-speculative draft, `spec_decode/draft_model.py`)."""
+        return self._run(input_ids, positions, num_layers, ())[0]
+
+    def forward_with_aux(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the residual stream after each of `aux_layers` (0-based),
+        concatenated: aux [num_tokens, len(aux_layers) * hidden_size]. EAGLE heads with
+        fused features read them (`spec_decode/heads.py`)."""
+        hidden, aux = self._run(input_ids, positions, None, aux_layers)
+        return hidden, torch.cat(aux, dim=-1)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        num_layers: int | None,
+        aux_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = Rope(self.rotary, positions, hidden.dtype)
         residual = None
-        for layer in self.layers[:num_layers]:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers[:num_layers]):
             hidden, residual = layer(hidden, residual, rope)
+            if i in aux_layers:
+                aux.append(hidden + residual)  # a copy: the next norm adds in place
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> logits [num_rows, vocab_size] in the model dtype.

@@ -42,12 +42,12 @@ __all__ = ["EagleProposer", "MedusaProposer", "fast_linear", "load_head_file"]
 # which made EAGLE slower than no speculation; the target's own small-step path (Q8_0
 # blocks through the C++ kernel, oneDNN's prepacked layout for bigger steps) cuts that
 # several-fold. Q8_0 changes the drafts' logits by rounding only: drafts, not outputs.
-_QUANT_MAX_ROWS = 8
+_QUANT_MAX_ROWS = 32  # as the target's quant_max_tokens default (crossover: 32-64 rows)
 _PREPACK_BATCH_HINT = 16
 
 
 def fast_linear(weight: torch.Tensor, quantize: bool = True) -> Linear:
-    """A `Linear` computing x @ weight.T: Q8_0 blocks for steps of <= 8 rows (when the C++
+    """A `Linear` computing x @ weight.T: Q8_0 blocks for steps of <= 32 rows (when the C++
     kernels are built and the input width is a multiple of 32), prepacked dense otherwise."""
     from pagedinfer.kernels.cpu import load_cpu_kernels
 
@@ -158,8 +158,10 @@ class EagleProposer(_HeadProposer):
     ):
         super().__init__(config, target, head_path, quantize)
         assert isinstance(self.head, EagleHead)
-        for name in ("fc", "qkv", "o", "gate_up", "down"):
+        names = ["fc", "qkv", "o", "gate_up", "down"]
+        for name in names + (["fuse"] if self.head.fuse is not None else []):
             setattr(self.head, name, fast_linear(getattr(self.head, name).weight, quantize))
+        self.aux_layers = tuple(self.head_config.aux_layers)
         self.backend = backend
         self.kv_caches = [kv_cache]  # one layer: [2, num_blocks, block_size, kv_heads, D]
         self.block_size = block_size
@@ -207,7 +209,7 @@ class EagleProposer(_HeadProposer):
         drafts: list[list[int]] = [[] for _ in batch.states]
         if not live.any():
             return drafts
-        features = batch.hidden[torch.tensor(rows, dtype=torch.int64)]
+        features = self.head.project(batch.hidden[torch.tensor(rows, dtype=torch.int64)])
         predicted = self._run(
             features,
             torch.tensor(next_ids, dtype=torch.int64),

@@ -10,7 +10,10 @@ k times a step.
   embedding of the NEXT token x_{t+1}; `fc` maps [e(x_{t+1}); h_t] to the hidden size, one
   Llama decoder layer (attention over the earlier positions, with its own KV cache) turns it
   into a predicted feature f_{t+1} ~ h_{t+1}, and the LM head gives token t+2. Drafting
-  feeds f and the drafted token back in.
+  feeds f and the drafted token back in. With `aux_layers` (fused features, as EAGLE-3,
+  Li et al. 2025), the first step's feature is `fuse`([low; mid; h_t]): h_t alone is what
+  the target needs for ITS next token, and the earlier layers keep more of what predicts
+  the ones after it.
 - `MedusaHeads` (Cai et al. 2024): k heads predict the tokens t+2..t+1+k in parallel from
   one input. Deviation from Medusa (and vLLM), whose heads read h_t alone: ours also read
   the embedding of x_{t+1}, the token the target just chose from h_t, which every proposer
@@ -30,7 +33,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -64,6 +67,9 @@ class HeadConfig:
     num_medusa_heads: int = 0
     medusa_intermediate_size: int = 0  # each Medusa head's MLP width
     target: str = ""  # the target model's name, checked at load time
+    # EAGLE with fused features (as EAGLE-3): the residual stream after these target layers
+    # (0-based) joins h_t as the first draft step's input; empty: h_t alone (EAGLE-1).
+    aux_layers: list[int] = field(default_factory=list)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,6 +108,13 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = c = config
         h = c.hidden_size
+        self.fuse: nn.Linear | None = None
+        if c.aux_layers:
+            n = len(c.aux_layers)
+            self.fuse = nn.Linear((n + 1) * h, h, bias=False)
+            with torch.no_grad():  # starts as h_t alone (EAGLE-1)
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, n * h :].copy_(torch.eye(h))
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.input_norm = nn.Parameter(torch.ones(h))
         self.qkv = nn.Linear(h, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
@@ -112,6 +125,23 @@ class EagleHead(nn.Module):
         nn.init.zeros_(self.o.weight)  # starts as the identity on fc's output
         nn.init.zeros_(self.down.weight)
 
+    @property
+    def feature_size(self) -> int:
+        """The width of the target features the first draft step reads."""
+        return (len(self.config.aux_layers) + 1) * self.config.hidden_size
+
+    def project(self, target_features: torch.Tensor) -> torch.Tensor:
+        """The target's features [T, feature_size] (the aux layers' residual streams, then
+        h_t) -> the first step's input feature [T, H]. Each aux part is RMS-normalised first:
+        the residual stream's scale grows with depth and is far from h_t's."""
+        if self.fuse is None:
+            return target_features
+        h = self.config.hidden_size
+        parts = target_features.unflatten(-1, (-1, h))  # [T, n + 1, H]
+        aux = F.rms_norm(parts[:, :-1].float(), (h,), eps=self.config.rms_norm_eps)
+        joined = torch.cat([aux.to(parts.dtype), parts[:, -1:]], dim=1)
+        return self.fuse(joined.flatten(1))
+
     def forward(
         self,
         features: torch.Tensor,
@@ -119,8 +149,9 @@ class EagleHead(nn.Module):
         positions: torch.Tensor,
         attention: Attention = causal_attention,
     ) -> torch.Tensor:
-        """features h_t [T, H], next_embeds e(x_{t+1}) [T, H], positions t [T] -> predicted
-        features f_{t+1} [T, H]. `attention` is dense causal (training) or paged."""
+        """features h_t [T, H] (`project`ed when fused, or the head's own f_t in later draft
+        steps), next_embeds e(x_{t+1}) [T, H], positions t [T] -> predicted features
+        f_{t+1} [T, H]. `attention` is dense causal (training) or paged."""
         c = self.config
         x = self.fc(torch.cat([next_embeds, features], dim=-1))  # [T, H]
         residual = x

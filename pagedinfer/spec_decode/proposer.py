@@ -75,6 +75,9 @@ class Proposer(ABC):
     samples nothing or does not speculate."""
     needs_hidden = False
     """True for drafters that read the target's features (`DraftBatch.hidden`)."""
+    aux_layers: tuple[int, ...] = ()
+    """Target layers whose residual streams join the features, before h_t (EAGLE with
+    fused features): `DraftBatch.hidden` is then [num_tokens, (len + 1) * hidden_size]."""
 
     @abstractmethod
     def propose(self, batch: DraftBatch) -> list[list[int]]:

@@ -36,7 +36,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -137,6 +137,22 @@ class DistillData:
     features: torch.Tensor  # [num_rows, hidden_size] float32: h_t of each row's token
     starts: list[int]  # [num_seqs + 1]
     num_prompt_tokens: list[int]  # [num_seqs]
+    aux_layers: list[int] = field(default_factory=list)
+    aux: torch.Tensor | None = None  # [num_rows, len(aux_layers) * hidden_size] bfloat16
+
+    def target_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """What a fused EAGLE head's first step reads at `rows`: [aux; h_t], float32."""
+        if self.aux is None:
+            return self.features[rows]
+        return torch.cat([self.aux[rows].float(), self.features[rows]], dim=-1)
+
+    def sequences(self) -> list[tuple[list[int], int]]:
+        """(token ids, prompt length) per sequence, as `generate_sequences` made them."""
+        ids = self.token_ids.tolist()
+        return [
+            (ids[self.starts[i] : self.starts[i + 1]], self.num_prompt_tokens[i])
+            for i in range(self.num_seqs)
+        ]
 
     @property
     def num_seqs(self) -> int:
@@ -149,9 +165,13 @@ class DistillData:
 
 
 @torch.no_grad()
-def compute_features(llm: LLM, sequences: Sequence[tuple[list[int], int]]) -> DistillData:
+def compute_features(
+    llm: LLM, sequences: Sequence[tuple[list[int], int]], aux_layers: Sequence[int] = ()
+) -> DistillData:
     """The target's features for every position of every sequence, one sequence per paged
-    forward (a temporary KV cache; the engine's own cache is not touched)."""
+    forward (a temporary KV cache; the engine's own cache is not touched); with
+    `aux_layers`, also the residual stream after those layers (bfloat16: it is 2-3 times
+    the size of the features)."""
     from pagedinfer.attention.backend import ForwardContext, set_forward_context
     from pagedinfer.worker.model_runner import make_attention_metadata
 
@@ -161,6 +181,9 @@ def compute_features(llm: LLM, sequences: Sequence[tuple[list[int], int]]) -> Di
     lengths = [len(ids) for ids, _ in sequences]
     starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     features = torch.empty(starts[-1], arch.hidden_size)  # [num_rows, hidden_size] float32
+    aux = None
+    if aux_layers:
+        aux = torch.empty(starts[-1], len(aux_layers) * arch.hidden_size, dtype=torch.bfloat16)
     num_blocks = -(-max(lengths) // bs)
     kv = [
         torch.zeros(2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim, dtype=worker.dtype)
@@ -172,11 +195,18 @@ def compute_features(llm: LLM, sequences: Sequence[tuple[list[int], int]]) -> Di
         table = np.arange(-(-n // bs), dtype=np.int32)[None]  # [1, blocks]
         common, positions = make_attention_metadata(np.array([n]), np.array([0]), table, bs)
         ctx = ForwardContext(attn_metadata=backend.build(common), kv_caches=kv)
+        inputs = (torch.tensor(ids, dtype=torch.int64), torch.from_numpy(positions))
         with set_forward_context(ctx):
-            hidden = model(torch.tensor(ids, dtype=torch.int64), torch.from_numpy(positions))
+            if aux is None:
+                hidden = model(*inputs)
+            else:
+                hidden, aux_rows = model.forward_with_aux(*inputs, aux_layers)
+                aux[a : a + n] = aux_rows
         features[a : a + n] = hidden.float()  # [n, hidden_size]
     token_ids = torch.tensor([t for ids, _ in sequences for t in ids], dtype=torch.int64)
-    return DistillData(token_ids, features, starts, [p for _, p in sequences])
+    return DistillData(
+        token_ids, features, starts, [p for _, p in sequences], list(aux_layers), aux
+    )
 
 
 def build_draft_vocab(
@@ -219,7 +249,10 @@ def save_distill_data(path: str, data: DistillData, key: dict[str, Any]) -> None
         "starts": torch.tensor(data.starts),
         "num_prompt_tokens": torch.tensor(data.num_prompt_tokens),
     }  # fmt: skip
-    save_file(tensors, path, metadata={"key": json.dumps(key, sort_keys=True)})
+    if data.aux is not None:
+        tensors["aux"] = data.aux
+    meta = {"key": json.dumps(key, sort_keys=True), "aux_layers": json.dumps(data.aux_layers)}
+    save_file(tensors, path, metadata=meta)
 
 
 def load_distill_data(path: str, key: dict[str, Any]) -> DistillData:
@@ -227,13 +260,15 @@ def load_distill_data(path: str, key: dict[str, Any]) -> DistillData:
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
-        found = json.loads((f.metadata() or {}).get("key", "{}"))
+        meta = f.metadata() or {}
+        found = json.loads(meta.get("key", "{}"))
         if found != json.loads(json.dumps(key)):
             raise ValueError(f"{path} holds data for {found}, not {key}: delete it or rename")
         t = {name: f.get_tensor(name) for name in f.keys()}
     return DistillData(
-        t["token_ids"], t["features"], t["starts"].tolist(), t["num_prompt_tokens"].tolist()
-    )
+        t["token_ids"], t["features"], t["starts"].tolist(), t["num_prompt_tokens"].tolist(),
+        json.loads(meta.get("aux_layers", "[]")), t.get("aux"),
+    )  # fmt: skip
 
 
 @dataclass
@@ -370,9 +405,10 @@ def _eagle_unroll(
     Per step: (predicted features, regression targets, valid rows, labels); step 1 over
     every row, later steps over `rows.unrolled()`."""
     embeds, target, valid, labels = _eagle_step_io(data, rows, 1, frozen, None)
-    h = data.features[rows.base]
+    h = data.target_features(rows.base) if head.fuse is not None else data.features[rows.base]
     if noise > 0:
         h = h + (torch.rand_like(h) * 2 - 1) * noise  # EAGLE: robustness to its own f
+    h = head.project(h)
     kv1: list[torch.Tensor] = []
     f = head(h, embeds, rows.positions, _step_attention(rows.segments, store=kv1))
     out = [(f, target, valid, labels)]
@@ -510,6 +546,10 @@ def train_heads(
     """Train a fresh head on `train_seqs`; `frozen_parts` = (embedding [V, H], LM head
     [V, H]) of the target. Returns the head (eval mode) and per-epoch metrics."""
     embed, lm_head = frozen_parts
+    if method == "eagle" and config.aux_layers and data.aux_layers != config.aux_layers:
+        raise ValueError(
+            f"the head fuses layers {config.aux_layers}; the data has {data.aux_layers}"
+        )
     to_draft = torch.full((config.vocab_size,), _OOV, dtype=torch.int64)  # [vocab]
     to_draft[draft_vocab] = torch.arange(len(draft_vocab))
     frozen = _Frozen(embed.float(), lm_head[draft_vocab].float(), to_draft)
@@ -576,14 +616,16 @@ def train_heads(
 
 
 def _head_config(
-    method: str, arch: Any, draft_vocab_size: int, k: int, target: str
-) -> heads.HeadConfig:
+    method: str, arch: Any, draft_vocab_size: int, k: int, target: str,
+    aux_layers: Sequence[int] = (),
+) -> heads.HeadConfig:  # fmt: skip
     same = ["hidden_size", "vocab_size", "head_dim", "intermediate_size", "rms_norm_eps"]
     return heads.HeadConfig(
         method=method, draft_vocab_size=draft_vocab_size, num_heads=arch.num_attention_heads,
         num_kv_heads=arch.num_key_value_heads, rope_theta=arch.rope_theta,
         num_medusa_heads=k if method == "medusa" else 0, target=target,
         medusa_intermediate_size=2 * arch.hidden_size if method == "medusa" else 0,
+        aux_layers=list(aux_layers) if method == "eagle" else [],
         **{name: getattr(arch, name) for name in same},
     )  # fmt: skip
 
@@ -604,7 +646,7 @@ def train_draft(
     seed: int = 0, data_path: str | None = None, data_cache: str | None = None,
     log: Callable[[str], Any] = print, prompts: Sequence[list[int]] | None = None,
     settings: dict[str, Any] | None = None, llm_kwargs: dict[str, Any] | None = None,
-    all_turns: bool = False, train_dtype: str = "auto",
+    all_turns: bool = False, train_dtype: str = "auto", aux_layers: Sequence[int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Self-distil a draft head for `model` (None: the default GGUF) and save it to `out`.
 
@@ -615,17 +657,22 @@ def train_draft(
     instead of ShareGPT (tests); `settings`: `TrainSettings` overrides (ce_weight, noise,
     bf16...); `llm_kwargs`: extra engine options; `train_dtype`: "bfloat16" autocasts the
     heads' matmuls (AMX: ~2x), "auto" does where the CPU has native bf16. `epochs` / `lr`
-    default to the method's `DEFAULT_EPOCHS` / `DEFAULT_LR`. Returns the training record
-    stored in the file.
+    default to the method's `DEFAULT_EPOCHS` / `DEFAULT_LR`; `aux_layers` (EAGLE): target
+    layers whose residual streams are fused with h_t into the first step's feature, as
+    EAGLE-3 does (None or empty: h_t alone). Returns the training record stored in the
+    file.
     """
     from pagedinfer.entrypoints.llm import LLM
 
     if method not in DEFAULT_EPOCHS:
         raise ValueError(f"method must be 'eagle' or 'medusa', got {method!r}")
+    if aux_layers is not None and aux_layers and method != "eagle":
+        raise ValueError("aux_layers: only EAGLE heads fuse earlier layers' features")
     args = {
         "method": method, "model": model, "dtype": dtype, "num_prompts": num_prompts,
         "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "num_medusa_heads": num_medusa_heads, "all_turns": all_turns, "train_dtype": train_dtype,
+        "aux_layers": None if aux_layers is None else list(aux_layers),
         "epochs": epochs or DEFAULT_EPOCHS[method],
         "lr": lr or DEFAULT_LR[method], "seed": seed,
     }  # fmt: skip
@@ -644,6 +691,17 @@ def train_draft(
         )
     worker = llm.llm_engine.engine_core.executor.worker
     arch, name = worker.arch, target_name(model)
+    if method == "medusa":
+        aux_layers = []
+    elif aux_layers is None:
+        aux_layers = []  # fused features measured no gain on the default model (see README)
+    aux_layers = sorted(set(aux_layers))
+    if not all(0 <= i < arch.num_hidden_layers - 1 for i in aux_layers):
+        llm.llm_engine.engine_core.shutdown()
+        raise ValueError(
+            f"aux_layers {aux_layers}: layers are 0-based and the last one "
+            f"({arch.num_hidden_layers - 1}) is h_t already"
+        )
     target = worker.model  # embedding and LM head, [vocab, H] each:
     frozen_parts = (
         target.embed_tokens.weight.float().clone(),
@@ -655,13 +713,20 @@ def train_draft(
     if data_cache is not None and os.path.exists(data_cache):
         data = load_distill_data(data_cache, key)
         log(f"read {data.num_seqs} sequences and their features from {data_cache}")
+        if aux_layers and data.aux_layers != aux_layers:
+            # The sequences stay; only the forward passes run again, keeping the aux.
+            t = time.perf_counter()
+            data = compute_features(llm, data.sequences(), aux_layers)
+            times["features_s"] = time.perf_counter() - t
+            log(f"features with layers {aux_layers} in {times['features_s']:.1f} s")
+            save_distill_data(data_cache, data, key)
     else:
         log(f"{len(prompts)} prompts, {sum(map(len, prompts))} tokens; generating...")
         t = time.perf_counter()
         sequences = generate_sequences(llm, prompts, max_tokens)
         times["generate_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        data = compute_features(llm, sequences)
+        data = compute_features(llm, sequences, aux_layers)
         times["features_s"] = time.perf_counter() - t
         log(f"generated in {times['generate_s']:.1f} s; features of {len(data.token_ids)} "
             f"positions in {times['features_s']:.1f} s")  # fmt: skip
@@ -674,7 +739,9 @@ def train_draft(
     draft_vocab = build_draft_vocab(
         data, train_seqs, draft_vocab_size, arch.eos_token_ids, arch.vocab_size
     )
-    config = _head_config(method, arch, draft_vocab_size, num_medusa_heads, name)
+    config = _head_config(method, arch, draft_vocab_size, num_medusa_heads, name, aux_layers)
+    if not aux_layers:
+        data.aux = None  # a cache made for a fused head also serves a plain one
     t = time.perf_counter()
     head, metrics = train_heads(
         method, config, data, frozen_parts, draft_vocab, train_seqs, val_seqs, ts, log

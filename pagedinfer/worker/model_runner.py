@@ -191,7 +191,9 @@ class ModelRunner:
                 speculative_config, draft_model, block_size, model, backend, head_kv_cache
             )
             self.rejection_sampler = RejectionSampler(self.sampler)
-            self.disable_spec_above = speculative_config.disable_by_batch_size
+            limit = speculative_config.disable_by_batch_size
+            assert limit != "auto", "SpeculativeConfig resolves 'auto' when validated"
+            self.disable_spec_above = limit
 
     # ------------------------------------------------------------------ state updates
 
@@ -280,8 +282,14 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64)  # [num_tokens]
         pos_tensor = torch.from_numpy(positions)  # [num_tokens] int64
         ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
+        aux = None
         with set_forward_context(ctx):
-            hidden = self.model(input_ids, pos_tensor)  # [num_tokens, hidden_size]
+            if self.proposer is not None and self.proposer.aux_layers:
+                hidden, aux = self.model.forward_with_aux(
+                    input_ids, pos_tensor, self.proposer.aux_layers
+                )
+            else:
+                hidden = self.model(input_ids, pos_tensor)  # [num_tokens, hidden_size]
         if self.proposer is not None:
             self.proposer.observe_forward(input_ids, pos_tensor, common)
 
@@ -299,7 +307,7 @@ class ModelRunner:
             spec_drafts if drafts_of and any(spec_drafts) else None,
         )
         if self.proposer is not None and self.proposer.needs_hidden:
-            self._step.hidden = hidden
+            self._step.hidden = hidden if aux is None else torch.cat([aux, hidden], dim=-1)
             self._step.runs = [
                 (r, int(qsl_np[i]), int(computed_np[i]), int(num_scheduled[i]))
                 for i, r in enumerate(req_ids)

@@ -46,6 +46,8 @@ def draft_dirs(tmp_path_factory, default_gguf_path) -> dict[str, str]:
 def _llm(spec: dict | None, **kwargs):
     from pagedinfer import LLM
 
+    if spec is not None:  # speculate at every batch size: the batched runs must verify too
+        spec = {"disable_by_batch_size": None, **spec}
     options = {"dtype": "float32", "kv_cache_memory_bytes": 256 * 2**20,
                "max_model_len": 2048, "log_stats_interval_s": 0, **kwargs}  # fmt: skip
     return LLM(speculative_config=spec, **options)

@@ -54,7 +54,8 @@ constexpr bool kHasVnni = false;
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = 16;          // output features per block
-constexpr int kMaxRows = 4;             // activation rows sharing one pass over the weights
+constexpr int kMaxRows = 8;             // activation rows sharing one pass over the weights
+                                        // (a verify step of k <= 7 drafts is one pass)
 constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance in the weight stream
                                           // (measured on 30 layers' weights: ~20 -> ~30 GB/s;
                                           // from DRAM 12 -> 14 GB/s)
@@ -246,8 +247,12 @@ void block(int R, const Activations& a, int64_t r0, const uint8_t* recs, float (
     PAGEDINFER_BLOCK(1)
     PAGEDINFER_BLOCK(2)
     PAGEDINFER_BLOCK(3)
+    PAGEDINFER_BLOCK(4)
+    PAGEDINFER_BLOCK(5)
+    PAGEDINFER_BLOCK(6)
+    PAGEDINFER_BLOCK(7)
     default:
-      PAGEDINFER_BLOCK(4)
+      PAGEDINFER_BLOCK(8)
   }
 #undef PAGEDINFER_BLOCK
 }

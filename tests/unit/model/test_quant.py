@@ -85,10 +85,10 @@ def test_quantize_q8_0_bounds_the_error() -> None:
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q4", "Q8"])
 @pytest.mark.parametrize("shape", [(40, 64), (960, 576), (16, 1536)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 17])
 def test_float32_activations_equal_the_dense_product(kind: str, shape, rows: int) -> None:
     """Exact codes, float32 sums: only summation order differs from the dense product.
-    40 features pad to 3 blocks of 16; 9 rows cross the kernel's 4-row passes."""
+    40 features pad to 3 blocks of 16; 9 and 17 rows cross the kernel's 8-row passes."""
     blocks = _random_blocks(kind, *shape)
     weight = QuantizedWeight(blocks, kernels)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
@@ -124,7 +124,7 @@ def _int8_path_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q4", "Q8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 8, 11])
 def test_16_bit_activations(kind: str, dtype: torch.dtype, rows: int) -> None:
     blocks = _random_blocks(kind, 48, 576, seed=1)
     weight = QuantizedWeight(blocks, kernels)

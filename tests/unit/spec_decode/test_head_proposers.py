@@ -34,7 +34,7 @@ def target(tmp_path_factory) -> tuple[LlamaForCausalLM, CpuSdpaBackend]:
     return model, backend
 
 
-def head_file(tmp_path, target: LlamaForCausalLM, method: str) -> str:
+def head_file(tmp_path, target: LlamaForCausalLM, method: str, aux_layers=()) -> str:
     arch = target.config
     config = HeadConfig(
         method=method, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
@@ -42,7 +42,7 @@ def head_file(tmp_path, target: LlamaForCausalLM, method: str) -> str:
         num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
         intermediate_size=arch.intermediate_size, rms_norm_eps=arch.rms_norm_eps,
         rope_theta=arch.rope_theta, num_medusa_heads=3, medusa_intermediate_size=24,
-        target="tiny",
+        target="tiny", aux_layers=list(aux_layers),
     )  # fmt: skip
     torch.manual_seed(1)
     head = EagleHead(config) if method == "eagle" else MedusaHeads(config)
@@ -53,12 +53,12 @@ def head_file(tmp_path, target: LlamaForCausalLM, method: str) -> str:
     return path
 
 
-def eagle(tmp_path, target, k: int = 3) -> EagleProposer:
+def eagle(tmp_path, target, k: int = 3, aux_layers=()) -> EagleProposer:
     model, backend = target
     arch = model.config
     kv = torch.zeros(2, NUM_BLOCKS, BLOCK, arch.num_key_value_heads, arch.head_dim)
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=k, model="x")
-    path = head_file(tmp_path, model, "eagle")
+    path = head_file(tmp_path, model, "eagle", aux_layers)
     # quantize=False: exact comparisons with the dense head (Q8_0 only rounds the drafts).
     return EagleProposer(spec, model, path, backend, kv, BLOCK, quantize=False)
 
@@ -88,16 +88,20 @@ def _state(req_id: str, tokens: list[int], block_ids: list[int]) -> CachedReques
     return CachedRequestState(req_id, tokens[:4], tokens[4:], SamplingParams(), block_ids, 0, None)
 
 
-def test_eagle_drafts_follow_the_dense_head(tmp_path, target) -> None:
+@pytest.mark.parametrize("aux_layers", [(), (0,)], ids=["h_t", "fused"])
+def test_eagle_drafts_follow_the_dense_head(tmp_path, target, aux_layers) -> None:
     """One step that ran a 10-token prompt for request a (it sampled its first token, the
     11th) and a 5-token chunk of request b (not sampling): the catch-up covers both, and a's
-    drafts are the dense head's greedy rollout from the end of its sequence."""
-    proposer = eagle(tmp_path, target, k=3)
+    drafts are the dense head's greedy rollout from the end of its sequence. Fused: the
+    step's features are [layer 0's residual stream; h_t], projected by the head."""
+    proposer = eagle(tmp_path, target, k=3, aux_layers=aux_layers)
+    assert proposer.aux_layers == aux_layers
     model = proposer.target
     torch.manual_seed(2)
     a_tokens = torch.randint(0, 256, (11,)).tolist()  # 10 prompt tokens + the sampled one
     b_tokens = torch.randint(0, 256, (12,)).tolist()  # a 12-token prompt, 5 run this step
-    hidden = torch.randn(15, model.config.hidden_size)  # the step's 10 + 5 features
+    width = (len(aux_layers) + 1) * model.config.hidden_size
+    hidden = torch.randn(15, width)  # the step's 10 + 5 features
     a = _state("a", a_tokens, [0, 1, 2, 3])  # room for 16 positions
     b = _state("b", b_tokens, [4, 5, 6])
     batch = DraftBatch(["a"], [a], hidden=hidden,
@@ -106,7 +110,7 @@ def test_eagle_drafts_follow_the_dense_head(tmp_path, target) -> None:
 
     # Dense reference: positions 0..9 of a, then roll the head forward greedily.
     head = proposer.head
-    feats, nexts = hidden[:10], torch.tensor(a_tokens[1:11])
+    feats, nexts = head.project(hidden[:10]), torch.tensor(a_tokens[1:11])
     expected = []
     for _ in range(3):
         out = head(feats, model.embed_tokens(nexts), torch.arange(len(feats)))
@@ -178,3 +182,32 @@ def test_the_default_model_gets_its_shipped_heads(tmp_path, method: str) -> None
         EngineConfig(
             model_config=ModelConfig(model=str(tmp_path / "other")), speculative_config=spec
         )
+
+
+def test_aux_layers_are_the_residual_stream_after_each_layer(target) -> None:
+    """forward_with_aux's hidden is forward's, and the final norm of layer i's aux part is
+    what a forward through the first i + 1 layers returns."""
+    from pagedinfer.attention.backend import ForwardContext, set_forward_context
+    from pagedinfer.worker.model_runner import make_attention_metadata
+
+    model, backend = target
+    arch = model.config
+    ids = torch.randint(0, 256, (9,))
+    h = arch.hidden_size
+
+    def run(fn):
+        kv = [torch.zeros(2, 4, BLOCK, arch.num_key_value_heads, arch.head_dim)
+              for _ in range(arch.num_hidden_layers)]  # fmt: skip
+        common, pos = make_attention_metadata(
+            np.array([9]), np.array([0]), np.arange(4, dtype=np.int32)[None], BLOCK
+        )
+        with set_forward_context(ForwardContext(backend.build(common), kv)):
+            return fn(ids, torch.from_numpy(pos))
+
+    hidden, aux = run(lambda i, p: model.forward_with_aux(i, p, [0, 1]))
+    assert aux.shape == (9, 2 * h)
+    torch.testing.assert_close(hidden, run(model))
+    for i in range(2):
+        part = aux[:, i * h : (i + 1) * h]
+        first = run(lambda x, p, n=i + 1: model(x, p, n))  # the first i + 1 layers
+        torch.testing.assert_close(model.norm(part.clone()), first)

@@ -62,12 +62,12 @@ def pattern_data(llm) -> DistillData:
     g = torch.Generator().manual_seed(0)
     patterns = [torch.randint(3, 256, (3,), generator=g).tolist() for _ in range(8)]
     seqs = [((patterns[i % 8] * 20)[: 40 + i], 4) for i in range(24)]
-    return compute_features(llm, seqs)
+    return compute_features(llm, seqs, aux_layers=[0])
 
 
-def _head_config(llm, method: str, draft_vocab_size: int = 64):
+def _head_config(llm, method: str, draft_vocab_size: int = 64, aux_layers=()):
     arch = llm.llm_engine.engine_core.executor.worker.arch
-    return train._head_config(method, arch, draft_vocab_size, 2, "tiny")
+    return train._head_config(method, arch, draft_vocab_size, 2, "tiny", aux_layers)
 
 
 def _frozen(llm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,16 +91,20 @@ def test_features_reproduce_the_engines_greedy_tokens(llm) -> None:
         assert pred.tolist() == ids[num_prompt:]
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("method", ["eagle", "eagle-fused", "medusa"])
 def test_training_learns_a_repeating_pattern(method: str, llm, pattern_data) -> None:
     data = pattern_data
     train_seqs, val_seqs = split_sequences(data.num_seqs, 0.2, seed=0)
     vocab = build_draft_vocab(data, train_seqs, 64, [EOS], 256)
     settings = TrainSettings(epochs=10, lr=1e-2, batch_tokens=256, noise=0.0, ce_weight=1.0)
+    method, _, fused = method.partition("-")
+    config = _head_config(llm, method, aux_layers=[0] if fused else [])
     head, metrics = train_heads(
-        method, _head_config(llm, method), data, _frozen(llm), vocab, train_seqs, val_seqs,
-        settings, log=lambda _: None,
+        method, config, data, _frozen(llm), vocab, train_seqs, val_seqs, settings,
+        log=lambda _: None,
     )  # fmt: skip
+    if method == "eagle":
+        assert (head.fuse is not None) == bool(fused)
     history = metrics["history"]
     assert len(history) == 10
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
@@ -189,6 +193,19 @@ def test_train_draft_end_to_end_and_cli(tmp_path, tiny_dir: str) -> None:
     assert len(vocab) == config.draft_vocab_size == 48 and EOS in vocab.tolist()
     assert extra["num_sequences"] == 6 and extra["args"]["epochs"] == 1
     assert extra == json.loads(json.dumps(record))
+    # A fused EAGLE head: the cache's sequences stay, the features are run again with the
+    # aux layer and saved, and a later run reads them.
+    assert load_heads(str(tmp_path / "eagle.st"))[1].aux_layers == []  # default: h_t alone
+    fused = train.train_draft("eagle", out=str(tmp_path / "f.st"), max_tokens=10,
+                              aux_layers=[0], **common)  # fmt: skip
+    assert "generate_s" not in fused["times_s"] and "features_s" in fused["times_s"]
+    again = train.train_draft("eagle", out=str(tmp_path / "f2.st"), max_tokens=10,
+                              aux_layers=[0], **common)  # fmt: skip
+    assert "features_s" not in again["times_s"]
+    assert load_heads(str(tmp_path / "f2.st"))[1].aux_layers == [0]
+    with pytest.raises(ValueError, match="aux_layers"):
+        train.train_draft("eagle", out=str(tmp_path / "f3.st"), max_tokens=10,
+                          aux_layers=[1], **common)  # fmt: skip
     ns = build_parser().parse_args(["train-draft", "--method", "eagle", "--out", "x.st"])
     assert (ns.method, ns.out, ns.num_prompts, ns.epochs) == ("eagle", "x.st", 800, None)
 
