@@ -125,15 +125,10 @@ class EagleHead(nn.Module):
         nn.init.zeros_(self.o.weight)  # starts as the identity on fc's output
         nn.init.zeros_(self.down.weight)
 
-    @property
-    def feature_size(self) -> int:
-        """The width of the target features the first draft step reads."""
-        return (len(self.config.aux_layers) + 1) * self.config.hidden_size
-
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
-        """The target's features [T, feature_size] (the aux layers' residual streams, then
-        h_t) -> the first step's input feature [T, H]. Each aux part is RMS-normalised first:
-        the residual stream's scale grows with depth and is far from h_t's."""
+        """The target's features [T, (len(aux_layers) + 1) * H] (the aux layers' residual
+        streams, then h_t) -> the first step's input feature [T, H]. Each aux part is
+        RMS-normalised first: the residual stream's scale grows with depth, far from h_t's."""
         if self.fuse is None:
             return target_features
         h = self.config.hidden_size
