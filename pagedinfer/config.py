@@ -22,6 +22,7 @@ __all__ = [
     "ObservabilityConfig",
     "StructuredOutputsConfig",
     "SpeculativeConfig",
+    "ParallelConfig",
     "EngineConfig",
 ]
 
@@ -194,6 +195,51 @@ class SpeculativeConfig:
 
 
 @dataclass(config=_FROZEN)
+class ParallelConfig:
+    """How the model is spread over processes (and machines): tensor and pipeline
+    parallelism inside one engine core, data parallelism across engine cores."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Ranks each layer's matrices are split over (heads, MLP columns, vocabulary). The
+    model's query and KV head counts must allow it (SmolLM2-135M: 9 query and 3 KV heads, so
+    1 or 3); KV heads are replicated when there are more ranks than KV heads."""
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    """Stages the decoder layers are split into; up to this many batches are in flight."""
+    data_parallel_size: int = Field(default=1, ge=1)
+    """Engine cores (each with its own tensor x pipeline workers) behind one front end;
+    new requests go to the one with the least load (waiting x 4 + running)."""
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    """How data-parallel engine cores are started: local processes ("mp") or Ray actors on
+    an existing Ray cluster ("ray")."""
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    """How an engine core reaches its workers: in process ("uni"), one process per rank
+    on this machine behind shared-memory queues ("mp"), or Ray actors placed on an
+    existing Ray cluster ("ray", for ranks on several machines). Default: "uni" for one
+    rank, else "mp"."""
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine core: tensor x pipeline ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """`distributed_executor_backend`, resolved."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one worker; tensor x pipeline "
+                f"parallel size is {self.world_size} (use 'mp' or 'ray')"
+            )
+        return self
+
+
+@dataclass(config=_FROZEN)
 class EngineConfig:
     model_config: ModelConfig = Field(default_factory=ModelConfig)
     cache_config: CacheConfig = Field(default_factory=CacheConfig)
@@ -203,6 +249,7 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -20,6 +20,7 @@ from pagedinfer.config import (
     CacheConfig,
     ModelConfig,
     ObservabilityConfig,
+    ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
@@ -33,6 +34,7 @@ _ENGINE_SECTIONS = (
     SchedulerConfig,
     ObservabilityConfig,
     StructuredOutputsConfig,
+    ParallelConfig,
 )
 
 
@@ -55,6 +57,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                 )
             elif typing.get_origin(hint) is typing.Literal:
                 group.add_argument(flag, choices=list(args), default=default, help=help_text)
+            elif any(typing.get_origin(a) is typing.Literal for a in args):
+                # Optional[Literal[...]]: the choices, None when the flag is not given.
+                (literal,) = [a for a in args if typing.get_origin(a) is typing.Literal]
+                group.add_argument(
+                    flag, choices=list(typing.get_args(literal)), default=default, help=help_text
+                )
             else:
                 base = next((a for a in args if a is not type(None)), hint) if args else hint
                 group.add_argument(

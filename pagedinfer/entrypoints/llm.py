@@ -24,6 +24,7 @@ from pagedinfer.config import (
     EngineConfig,
     ModelConfig,
     ObservabilityConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -44,6 +45,7 @@ _SECTIONS = (
     ("scheduler_config", SchedulerConfig),
     ("observability_config", ObservabilityConfig),
     ("structured_outputs_config", StructuredOutputsConfig),
+    ("parallel_config", ParallelConfig),
 )
 
 
