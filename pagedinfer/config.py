@@ -265,6 +265,13 @@ class EngineConfig:
                 "long prompts could never be scheduled."
             )
         spec = self.speculative_config
+        if spec is not None and spec.method != "ngram" and self.parallel_config.world_size > 1:
+            # The drafters read the target's full embedding, LM head and layers; sharding
+            # them too is left for later (vLLM runs EAGLE under TP).
+            raise ValueError(
+                f"speculative method {spec.method!r} needs tensor and pipeline parallel size "
+                f"1 (ngram works with any)"
+            )
         if spec is not None and spec.method in ("eagle", "medusa") and spec.model is None:
             from pagedinfer.spec_decode.heads import default_heads_path
 

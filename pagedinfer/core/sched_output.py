@@ -11,7 +11,7 @@ order of `req_ids`; a request whose scheduled chunk did not reach the end of its
 an empty list.
 
 All types are plain dataclasses of Python data (no torch, no live `Request`), so they can be
-pickled to worker processes.
+sent to worker processes as msgpack (`distributed/serial.py`, typed decoding, no pickle).
 
 Deviation from vLLM: a request resumed after preemption is sent again as `NewRequestData`
 carrying its output tokens too (the worker dropped its state when it was preempted), instead
@@ -23,10 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+# Imported at run time: the executor decodes these dataclasses by their annotations.
+from pagedinfer.core.messages import LogprobsLists
+from pagedinfer.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
-    from pagedinfer.core.messages import LogprobsLists
     from pagedinfer.core.request import Request
-    from pagedinfer.sampling_params import SamplingParams
 
 __all__ = ["NewRequestData", "CachedRequestData", "SchedulerOutput", "ModelRunnerOutput"]
 
@@ -62,6 +64,9 @@ class CachedRequestData:
     """Blocks appended to each request's block table this step (often empty)."""
     num_computed_tokens: list[int] = field(default_factory=list)
     """Tokens with KV already in the cache before this step."""
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Pipeline parallelism only (else empty): each request's tokens run this step (drafts
+    excluded). Stages before the last never sample, so they learn the new tokens here."""
 
     @property
     def num_reqs(self) -> int:

@@ -59,8 +59,15 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.config = scheduler_config
+        # Pipeline stages before the last never sample: they are sent each step's tokens.
+        self.send_token_ids = pipeline_parallel_size > 1
+        self.pipeline_parallel_size = pipeline_parallel_size
+        # Pipeline parallelism: requests in a batch still in the pipeline (the engine core
+        # keeps this); a preempted one is not resumed until its old batch is back.
+        self.in_flight: set[str] = set()
         self.max_model_len = max_model_len
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_running_reqs = scheduler_config.max_num_seqs
@@ -141,9 +148,21 @@ class Scheduler:
         preempted: list[Request] = []
         scheduled_spec: dict[str, list[int]] = {}
 
+        # Pipeline parallelism: split the live requests over pp batches, so that every
+        # stage has one to work on (a single batch of everything would leave the other
+        # stages idle while it passes through).
+        max_reqs = self.max_num_running_reqs
+        if self.pipeline_parallel_size > 1:
+            live = len(self.running) + len(self.waiting)
+            max_reqs = max(1, -(-live // self.pipeline_parallel_size))
+
         # 1. Running requests.
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while (
+            req_index < len(self.running)
+            and token_budget > 0
+            and len(num_scheduled_tokens) < max_reqs
+        ):
             request = self.running[req_index]
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
@@ -202,8 +221,12 @@ class Scheduler:
                 len(self.waiting) > 0
                 and token_budget > 0
                 and len(self.running) < self.max_num_running_reqs
+                and len(num_scheduled_tokens) < max_reqs
             ):
                 request = self.waiting.peek()
+                if request.request_id in self.in_flight:
+                    skipped.append(self.waiting.pop())
+                    continue
                 if request.status == RequestStatus.WAITING_FOR_FSM:
                     so = request.structured_output_request
                     assert so is not None
@@ -267,6 +290,9 @@ class Scheduler:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks_of[r.request_id]])
             cached.num_computed_tokens.append(r.num_computed_tokens)
+            if self.send_token_ids:
+                end = min(r.num_computed_tokens + ordered[r.request_id], r.num_tokens)
+                cached.new_token_ids.append(r.all_token_ids[r.num_computed_tokens : end])
         new_reqs = [
             NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id))
             for r in scheduled_new
@@ -339,6 +365,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted while its (pipelined) batch ran: recomputed later
             req_index = runner_output.req_id_to_index[req_id]
             generated = runner_output.sampled_token_ids[req_index]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)

@@ -12,6 +12,8 @@ task (`_output_handler`) pulls every step's outputs from the client and puts eac
 its collector. A consumer that goes away (the generator closed or cancelled: a client that
 disconnected) aborts its request in the engine at once, freeing its KV blocks. When the
 engine dies, every waiting `generate()` raises `EngineDeadError` and later calls fail fast.
+With `data_parallel_size > 1` the client is a `DPAsyncMPClient`: several engine cores, each
+new request routed to the least loaded (see `engine/dp_client.py`); nothing else changes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pagedinfer.engine.core_client import (
     EngineDeadError,
     InprocClient,
 )
+from pagedinfer.engine.dp_client import DPAsyncMPClient
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.llm_engine import EngineStats, num_speculative_tokens
 from pagedinfer.engine.metrics import IterationStats, StatLogger
@@ -74,13 +77,25 @@ class RequestOutputCollector:
         return item
 
 
+def _make_engine_core_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient:
+    """One engine core process (`AsyncMPClient`), one per data-parallel replica behind a
+    load-balancing client (`DPAsyncMPClient`), or the core in this process (`InprocClient`,
+    tests and debugging)."""
+    if config.parallel_config.data_parallel_size > 1:
+        if not multiprocess:
+            raise ValueError(
+                f"data_parallel_size {config.parallel_config.data_parallel_size} runs one "
+                "engine core process per replica: it needs multiprocess=True."
+            )
+        return DPAsyncMPClient(config)
+    return AsyncMPClient(config) if multiprocess else InprocClient(config)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, multiprocess: bool = True) -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_model_path(config.model_config.model)
-        self.engine_core: EngineCoreClient = (
-            AsyncMPClient(config) if multiprocess else InprocClient(config)
-        )
+        self.engine_core = _make_engine_core_client(config, multiprocess)
         info = self.engine_core.info
         self.max_model_len = info.max_model_len
         self.input_processor = InputProcessor(

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.kv_cache_utils import BlockHasher, get_hash_fn
 from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedinfer.core.request import Request, RequestStatus
-from pagedinfer.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT
+from pagedinfer.core.sched_output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagedinfer.core.scheduler import Scheduler
 from pagedinfer.core.trace import StepTracer
 from pagedinfer.executor.base import Executor, ModelInfo
@@ -31,8 +37,11 @@ __all__ = ["EngineCore"]
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_class: type[Executor]) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        """`executor_class`: by default the one `distributed_executor_backend` names."""
         self.config = config
+        if executor_class is None:
+            executor_class = Executor.get_class(config)
         self.executor = executor_class(config)
         info = self.executor.load_model()
         self.model_info = info
@@ -45,7 +54,12 @@ class EngineCore:
             num_kv_blocks=info.num_kv_blocks,
             max_model_len=self.max_model_len,
             speculative_config=config.speculative_config,
+            pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
         )
+        # Pipeline parallelism: up to one batch per stage in flight (step_with_batch_queue).
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.peak_batches_in_flight = 0
         cache_config = config.cache_config
         self.block_hasher: BlockHasher | None = None
         if cache_config.enable_prefix_caching:
@@ -157,6 +171,8 @@ class EngineCore:
         return "pong"
 
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
@@ -182,6 +198,46 @@ class EngineCore:
                 self.scheduler.kv_cache_manager.usage,
             )
         return outputs
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Pipeline parallelism: schedule and launch a batch while earlier ones are still in
+        the pipeline (up to one per stage), and only then wait for the oldest.
+
+        A request runs in one in-flight batch at a time: its `num_computed_tokens` advanced
+        when it was scheduled, so it has nothing to run until its batch returns (and the
+        scheduler leaves a preempted request waiting while its old batch is in flight)."""
+        sched = self.scheduler
+        outputs = EngineCoreOutputs()
+        if len(self.batch_queue) < self.batch_queue_size and sched.has_unfinished_requests():
+            so = sched.schedule()
+            if so.total_num_scheduled_tokens > 0:
+                grammar_output = self.structured_output_manager.grammar_bitmask(sched.requests, so)
+                future = self.executor.execute_model_async(so, grammar_output)
+                self.batch_queue.append((future, so))
+                self.peak_batches_in_flight = max(
+                    self.peak_batches_in_flight, len(self.batch_queue)
+                )
+                sched.in_flight.update(so.num_scheduled_tokens)
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return outputs  # fill the pipeline first
+            else:
+                # Nothing runnable now; finished ids wait for the next real batch.
+                sched.finished_req_ids |= so.finished_req_ids
+                outputs = sched.update_from_output(so, EMPTY_MODEL_RUNNER_OUTPUT)
+                if not self.batch_queue:
+                    if not outputs.outputs:
+                        time.sleep(0.001)
+                    return outputs
+        if not self.batch_queue:
+            return outputs
+        future, so = self.batch_queue.popleft()
+        runner_output = future.result()
+        for req_id in so.num_scheduled_tokens:
+            sched.in_flight.discard(req_id)
+        step_outputs = sched.update_from_output(so, runner_output)
+        step_outputs.outputs = outputs.outputs + step_outputs.outputs
+        self._stats_dirty = True
+        return step_outputs
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

@@ -278,9 +278,8 @@ class InprocClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig) -> None:
         from pagedinfer.engine.core import EngineCore
-        from pagedinfer.executor.uniproc import UniProcExecutor
 
-        self.core = EngineCore(config, UniProcExecutor)
+        self.core = EngineCore(config)
         info = self.core.model_info
         self.info = EngineCoreReady(
             max_model_len=self.core.max_model_len,

@@ -44,7 +44,6 @@ from pagedinfer.core.messages import (
     FinishReason,
 )
 from pagedinfer.engine.core import EngineCore
-from pagedinfer.executor.uniproc import UniProcExecutor
 
 logger = logging.getLogger("pagedinfer")
 
@@ -120,7 +119,7 @@ class EngineCoreProc(EngineCore):
     """An `EngineCore` fed from a queue of decoded input messages (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, output_queue: queue.Queue) -> None:
-        super().__init__(config, UniProcExecutor)
+        super().__init__(config)
         self.input_queue: queue.Queue[tuple[InputKind, Any]] = queue.Queue()
         self.output_queue = output_queue
         self._shutdown = False

@@ -19,7 +19,6 @@ from pagedinfer.engine.core import EngineCore
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
 from pagedinfer.executor.base import Executor
-from pagedinfer.executor.uniproc import UniProcExecutor
 from pagedinfer.outputs import RequestOutput
 from pagedinfer.sampling_params import SamplingParams
 from pagedinfer.tokenizer import Tokenizer
@@ -150,9 +149,15 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(
-        self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor
-    ) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            # One engine core steps here, in the caller's thread; several replicas need the
+            # asyncio front end that routes requests between their processes.
+            raise ValueError(
+                f"data_parallel_size {config.parallel_config.data_parallel_size}: data "
+                "parallelism is served by `pagedinfer serve --data-parallel-size N` (AsyncLLM); "
+                "the offline LLM / LLMEngine run one engine core (data_parallel_size 1)."
+            )
         self.config = config
         self.tokenizer = Tokenizer.from_model_path(config.model_config.model)
         self.engine_core = EngineCore(config, executor_class)
@@ -167,6 +172,11 @@ class LLMEngine:
         self.stats = EngineStats(
             config.observability_config.log_stats_interval_s, num_speculative_tokens(config)
         )
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its workers (worker processes, with tensor or pipeline
+        parallelism); the engine cannot be used afterwards."""
+        self.engine_core.shutdown()
 
     def add_request(
         self,

@@ -77,6 +77,17 @@ class LLM:
         self.llm_engine = LLMEngine(self.config)
         self._request_counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes (with tensor or pipeline parallelism
+        they are separate processes; they are also stopped at interpreter exit)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 

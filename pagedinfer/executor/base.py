@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["Executor", "ModelInfo"]
+__all__ = ["Executor", "ExecutorFailed", "ModelInfo"]
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,53 @@ class ModelInfo:
     kv_bytes_per_block: int
 
 
+class ExecutorFailed(RuntimeError):
+    """A worker died or failed: the executor can run nothing more (the engine fails its
+    requests with this message and stops)."""
+
+
 class Executor(ABC):
+    """Subclasses: `UniProcExecutor` ("uni"), `MultiProcExecutor` ("mp"),
+    `RayDistributedExecutor` ("ray"); `Executor.get_class` picks one from the config."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.parallel_config.executor_backend
+        if backend == "uni":
+            from pagedinfer.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        if backend == "mp":
+            from pagedinfer.executor.multiproc import MultiProcExecutor
+
+            return MultiProcExecutor
+        from pagedinfer.executor.ray_executor import RayDistributedExecutor
+
+        return RayDistributedExecutor
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine may keep in flight: one per pipeline stage."""
+        return 1
+
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_output: object | None
+    ) -> Future[ModelRunnerOutput]:
+        """Forward and sample in one go, returning at once (pipeline parallelism keeps up
+        to `max_concurrent_batches` of these in flight). The default runs it inline."""
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            out = self.execute_model(scheduler_output)
+            future.set_result(out if out is not None else self.sample_tokens(grammar_output))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def check_health(self) -> None:
+        """Raise `ExecutorFailed` if a worker is gone (in-process: always healthy)."""
 
     @abstractmethod
     def load_model(self) -> ModelInfo:

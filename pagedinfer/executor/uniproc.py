@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.executor.base import Executor, ModelInfo
 
-__all__ = ["UniProcExecutor"]
+if TYPE_CHECKING:
+    from pagedinfer.worker.worker import Worker
+
+__all__ = ["UniProcExecutor", "model_info"]
+
+
+def model_info(worker: Worker) -> ModelInfo:
+    """What `Executor.load_model` reports, read off a loaded worker."""
+    arch = worker.arch
+    assert arch is not None
+    return ModelInfo(
+        vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings,
+        num_kv_blocks=worker.num_kv_blocks(),
+        dtype=str(worker.dtype).removeprefix("torch."),
+        load_time_s=worker.load_time_s,
+        kv_bytes_per_block=worker.kv_bytes_per_block(),
+    )
 
 
 class UniProcExecutor(Executor):
@@ -19,15 +38,8 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config)
 
     def load_model(self) -> ModelInfo:
-        arch = self.worker.load_model()
-        return ModelInfo(
-            vocab_size=arch.vocab_size,
-            max_position_embeddings=arch.max_position_embeddings,
-            num_kv_blocks=self.worker.num_kv_blocks(),
-            dtype=str(self.worker.dtype).removeprefix("torch."),
-            load_time_s=self.worker.load_time_s,
-            kv_bytes_per_block=self.worker.kv_bytes_per_block(),
-        )
+        self.worker.load_model()
+        return model_info(self.worker)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
@@ -37,3 +49,11 @@ class UniProcExecutor(Executor):
 
     def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
         return self.worker.sample_tokens(grammar_output)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """`method` of the worker (the whitelist the process executors accept)."""
+        from pagedinfer.executor.messages import WORKER_UTILITY_METHODS
+
+        if method not in WORKER_UTILITY_METHODS:
+            raise ValueError(f"unknown worker method {method!r}")
+        return [getattr(self.worker, method)(*args)]

@@ -10,25 +10,94 @@ Numerics follow Hugging Face's Llama so that greedy outputs match it token for t
 float32: RMSNorm in float32, RoPE cos/sin computed in float32 with the rotate-half layout,
 residual adds in the model dtype. Q/K/V and gate/up projections are fused into one matmul
 each at load time (`load_weights`).
+
+Tensor parallelism (`distributed/parallel_state.get_tp_group()`, a group of one unless the
+worker joined a larger one): each rank holds its share of the query heads (and of the KV
+heads, replicated when there are more ranks than KV heads), of the MLP's columns and of the
+vocabulary. The column-parallel projections (qkv, gate_up) need no communication; o_proj
+and down_proj are row-parallel and all-reduce their partial sums (two all-reduces per
+layer); the embedding masks ids outside its vocabulary range and all-reduces; the LM head's
+logits are all-gathered. Pipeline parallelism (`get_pp_group()`): a stage builds only its
+layers (`get_pp_indices`); the first embeds, the others continue from the previous stage's
+`(hidden, residual)`, and only the last applies the final norm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedinfer.attention.backend import AttentionBackend, get_forward_context
+from pagedinfer.distributed.parallel_state import (
+    GroupCoordinator,
+    get_pp_group,
+    get_pp_indices,
+    get_tp_group,
+)
 from pagedinfer.model.linear import Linear
 from pagedinfer.model.quant import GROUP_SIZE, QuantBlocks, QuantizedWeight, quantize_q8_0
 
 if TYPE_CHECKING:
     from pagedinfer.model.loader import ModelArchConfig
 
-__all__ = ["LlamaForCausalLM"]
+__all__ = ["LlamaForCausalLM", "TPShard", "VOCAB_PAD"]
+
+VOCAB_PAD = 64
+"""Each rank's vocabulary slice is a multiple of this many rows (vLLM pads to 64 too)."""
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What one tensor-parallel rank holds of a model (all sizes local to the rank)."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_start: int
+    vocab_per_rank: int
+
+    @classmethod
+    def of(cls, config: ModelArchConfig, rank: int, size: int) -> TPShard:
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide the model's {heads} attention heads"
+            )
+        if (size <= kv_heads and kv_heads % size) or (size > kv_heads and size % kv_heads):
+            raise ValueError(
+                f"tensor_parallel_size {size} and the model's {kv_heads} KV heads: one must "
+                f"divide the other"
+            )
+        if config.intermediate_size % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide the MLP size "
+                f"{config.intermediate_size}"
+            )
+        unit = VOCAB_PAD * size
+        per_rank = -(-config.vocab_size // unit) * unit // size if size > 1 else config.vocab_size
+        return cls(
+            rank=rank,
+            size=size,
+            num_heads=heads // size,
+            num_kv_heads=max(kv_heads // size, 1),
+            intermediate_size=config.intermediate_size // size,
+            vocab_start=rank * per_rank,
+            vocab_per_rank=per_rank,
+        )
+
+    def kv_head_start(self, total_kv_heads: int) -> int:
+        """The first global KV head this rank holds (ranks share one when replicated)."""
+        if self.size <= total_kv_heads:
+            return self.rank * self.num_kv_heads
+        return self.rank // (self.size // total_kv_heads)
 
 
 class RMSNorm(nn.Module):
@@ -110,11 +179,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        shard: TPShard,
+        tp: GroupCoordinator,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        """Index of this layer's KV cache in the forward context (local to the stage)."""
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.tp = tp
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -147,33 +225,44 @@ class LlamaAttention(nn.Module):
         attn = self.backend.forward(
             q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata
         )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(attn.reshape(num_tokens, self.q_size))
+        out = self.o_proj(attn.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(out)  # row-parallel: sum the ranks' partial products
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, shard: TPShard, tp: GroupCoordinator) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.tp = tp
+        self.intermediate_size = shard.intermediate_size
         # Fused [gate; up] rows.
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size)
         self.ops: Any = None  # C++ layer kernels (enable_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(self.ops.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(out)  # row-parallel
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        shard: TPShard,
+        tp: GroupCoordinator,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, backend)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, shard, tp)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope
@@ -190,24 +279,63 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table's rows [vocab_start, vocab_start + vocab_per_rank) (zero rows past
+    the vocabulary); ids outside the range look up zeros, and the all-reduce leaves each
+    token exactly its one real row. A group of one is a plain embedding."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, tp: GroupCoordinator) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(shard.vocab_per_rank, hidden_size), requires_grad=False
+        )
+        self.start = shard.vocab_start
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(out)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
+        self.tp, self.pp = get_tp_group(), get_pp_group()
+        self.shard = TPShard.of(config, self.tp.rank_in_group, self.tp.world_size)
+        self.layer_start, self.layer_end = get_pp_indices(
+            config.num_hidden_layers, self.pp.rank_in_group, self.pp.world_size
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        first, last = self.pp.is_first_rank, self.pp.is_last_rank
+        tied = config.tie_word_embeddings
+        # A stage holds the embedding if it embeds, or if it is the last and the LM head
+        # is tied to it.
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if first or (last and tied):
+            self.embed_tokens = VocabParallelEmbedding(self.shard, config.hidden_size, self.tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i - self.layer_start, backend, self.shard, self.tp)
+            for i in range(self.layer_start, self.layer_end)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta
         )
         self.lm_head_quant: QuantizedWeight | None = None
         self.lm_head_quant_max_rows = 0
         self.lm_head: nn.Linear | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if last and not tied:
+            self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         self.requires_grad_(False)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.layer_end - self.layer_start
 
     def enable_fused_ops(self, ops: Any) -> None:
         """Use the C++ layer kernels (`kernels/cpu.py`) for norms, RoPE and SiLU-and-mul.
@@ -225,12 +353,31 @@ class LlamaForCausalLM(nn.Module):
                 module.rotary = self.rotary
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        num_layers: int | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
         `num_layers`: run only the first N decoder layers, then the final norm (the
-        self-speculative draft, `spec_decode/draft_model.py`)."""
-        return self._run(input_ids, positions, num_layers, ())[0]
+        self-speculative draft, `spec_decode/draft_model.py`).
+
+        Pipeline stages: a stage after the first continues from `intermediate`, the
+        previous stage's `forward_stage` output; use `forward_stage` on all but the last."""
+        return self._run(input_ids, positions, num_layers, (), intermediate)[0]
+
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pipeline stage before the last: its layers, without the final norm ->
+        (hidden, residual), both [num_tokens, hidden_size], for the next stage."""
+        hidden, residual = self._layers(input_ids, positions, None, (), intermediate)[:2]
+        assert residual is not None, "a stage with no layers"
+        return hidden, residual
 
     def forward_with_aux(
         self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int]
@@ -238,7 +385,7 @@ class LlamaForCausalLM(nn.Module):
         """`forward`, and the residual stream after each of `aux_layers` (0-based),
         concatenated: aux [num_tokens, len(aux_layers) * hidden_size]. EAGLE heads with
         fused features read them (`spec_decode/heads.py`)."""
-        hidden, aux = self._run(input_ids, positions, None, aux_layers)
+        hidden, aux = self._run(input_ids, positions, None, aux_layers, None)
         return hidden, torch.cat(aux, dim=-1)
 
     def _run(
@@ -247,17 +394,37 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         num_layers: int | None,
         aux_layers: Sequence[int],
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        hidden, residual, aux = self._layers(
+            input_ids, positions, num_layers, aux_layers, intermediate
+        )
+        assert self.norm is not None, "only the last pipeline stage has the final norm"
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, aux
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        num_layers: int | None,
+        aux_layers: Sequence[int],
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        residual: torch.Tensor | None
+        if intermediate is None:
+            assert self.embed_tokens is not None and self.pp.is_first_rank
+            hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            residual = None
+        else:
+            hidden, residual = intermediate
         rope = Rope(self.rotary, positions, hidden.dtype)
-        residual = None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers[:num_layers]):
             hidden, residual = layer(hidden, residual, rope)
             if i in aux_layers:
                 aux.append(hidden + residual)  # a copy: the next norm adds in place
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, aux
+        return hidden, residual, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> logits [num_rows, vocab_size] in the model dtype.
@@ -265,15 +432,27 @@ class LlamaForCausalLM(nn.Module):
         Not converted to float32 here: an all-greedy step takes the argmax of these as
         they are (exact: the conversion is monotone), and the sampler converts when it
         needs float32 (temperature, penalties, logprobs); at 200 rows the copy is 39 MB.
+        Tensor parallel: each rank's vocabulary slice, all-gathered, padding cut off.
         """
         if self.lm_head_quant is not None and hidden.shape[0] <= self.lm_head_quant_max_rows:
-            return self.lm_head_quant(hidden)
-        return F.linear(hidden, self.lm_head_weight)
+            logits = self.lm_head_quant(hidden)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
+        if self.tp.world_size == 1:
+            return logits
+        missing = self.shard.vocab_per_rank - logits.shape[1]
+        if missing:  # the quantised head holds only real rows
+            logits = F.pad(logits, (0, missing))
+        return self.tp.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[vocab_size, hidden_size]: the embedding's matrix when tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """[vocab_size, hidden_size]: the embedding's matrix when tied (this rank's
+        vocabulary slice under tensor parallelism)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        assert self.embed_tokens is not None
+        return self.embed_tokens.weight
 
     @torch.no_grad()
     def prepack_dense_weights(self, batch_hint: int) -> int:
@@ -281,10 +460,34 @@ class LlamaForCausalLM(nn.Module):
         how many were packed."""
         return sum(m.prepack(batch_hint) for m in self.modules() if isinstance(m, Linear))
 
+    def _shard_ranges(self) -> dict[str, tuple[int, int]]:
+        """[start, end) of the rows (of q, k/v, gate/up) or columns (of o_proj, down_proj)
+        of the full matrices that this tensor-parallel rank holds."""
+        c, sh = self.config, self.shard
+        hd = c.head_dim
+        q0 = sh.rank * sh.num_heads * hd
+        kv0 = sh.kv_head_start(c.num_key_value_heads) * hd
+        i0 = sh.rank * sh.intermediate_size
+        return {
+            "q": (q0, q0 + sh.num_heads * hd),
+            "kv": (kv0, kv0 + sh.num_kv_heads * hd),
+            "mlp": (i0, i0 + sh.intermediate_size),
+            "vocab": (sh.vocab_start, min(sh.vocab_start + sh.vocab_per_rank, c.vocab_size)),
+        }
+
+    def _vocab_slice(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary rows of a [vocab_size, hidden] matrix, zero-padded to
+        `vocab_per_rank` rows."""
+        lo, hi = self._shard_ranges()["vocab"]
+        part = weight[lo:hi]
+        missing = self.shard.vocab_per_rank - part.shape[0]
+        return F.pad(part, (0, 0, 0, missing)) if missing else part
+
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Install HF-named Llama weights, fusing q/k/v and gate/up; every parameter must be
-        covered exactly once.
+        covered exactly once. Under tensor/pipeline parallelism each rank takes only its
+        slices and its stage's layers; the rest is dropped as it is read.
 
         The loaded tensors *become* the parameters (no copy into preallocated ones), and
         `state_dict` is consumed as it goes, so peak memory stays near one copy of the
@@ -305,23 +508,41 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
 
         sd = state_dict
-        put("embed_tokens.weight", sd.pop("model.embed_tokens.weight"))
-        put("norm.weight", sd.pop("model.norm.weight"))
+        r = self._shard_ranges()
+        q, kv, mlp = (slice(*r[k]) for k in ("q", "kv", "mlp"))
+        embed = sd.pop("model.embed_tokens.weight")
+        if self.embed_tokens is not None:
+            put("embed_tokens.weight", self._vocab_slice(embed))
+        del embed
+        norm = sd.pop("model.norm.weight")
+        if self.norm is not None:
+            put("norm.weight", norm)
+        head = sd.pop("lm_head.weight", None)
         if self.lm_head is not None:
-            put("lm_head.weight", sd.pop("lm_head.weight"))
-        else:
-            sd.pop("lm_head.weight", None)
+            assert head is not None, "an untied model without lm_head.weight"
+            put("lm_head.weight", self._vocab_slice(head))
+        del head
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = [sd.pop(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-            put(f"layers.{i}.self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
-            put(f"layers.{i}.self_attn.o_proj.weight", sd.pop(p + "self_attn.o_proj.weight"))
-            gate_up = [sd.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            put(f"layers.{i}.mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
-            put(f"layers.{i}.mlp.down_proj.weight", sd.pop(p + "mlp.down_proj.weight"))
-            put(f"layers.{i}.input_layernorm.weight", sd.pop(p + "input_layernorm.weight"))
+            names = [k for k in sd if k.startswith(p)]
+            if not self.layer_start <= i < self.layer_end:
+                for k in names:  # another pipeline stage's layer
+                    del sd[k]
+                continue
+            m = f"layers.{i - self.layer_start}."
+            qkv = [
+                sd.pop(p + "self_attn.q_proj.weight")[q],
+                sd.pop(p + "self_attn.k_proj.weight")[kv],
+                sd.pop(p + "self_attn.v_proj.weight")[kv],
+            ]
+            put(m + "self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            put(m + "self_attn.o_proj.weight", sd.pop(p + "self_attn.o_proj.weight")[:, q])
+            gate_up = [sd.pop(p + f"mlp.{n}_proj.weight")[mlp] for n in ("gate", "up")]
+            put(m + "mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
+            put(m + "mlp.down_proj.weight", sd.pop(p + "mlp.down_proj.weight")[:, mlp])
+            put(m + "input_layernorm.weight", sd.pop(p + "input_layernorm.weight"))
             put(
-                f"layers.{i}.post_attention_layernorm.weight",
+                m + "post_attention_layernorm.weight",
                 sd.pop(p + "post_attention_layernorm.weight"),
             )
         # Rotary inverse frequencies are recomputed, never loaded.
@@ -348,26 +569,47 @@ class LlamaForCausalLM(nn.Module):
         exact weights). Returns the number of matrices given a quantised path.
         """
         count = 0
-        fused = {
-            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "self_attn.o_proj": ("self_attn.o_proj",),
-            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-            "mlp.down_proj": ("mlp.down_proj",),
+        r = self._shard_ranges()
+        q, kv, mlp = (np.arange(*r[k]) for k in ("q", "kv", "mlp"))
+        # Per fused part: (HF name, rows kept, columns kept); None keeps all.
+        fused: dict[str, tuple[tuple[str, np.ndarray | None, tuple[int, int] | None], ...]] = {
+            "self_attn.qkv_proj": (
+                ("self_attn.q_proj", q, None),
+                ("self_attn.k_proj", kv, None),
+                ("self_attn.v_proj", kv, None),
+            ),
+            "self_attn.o_proj": (("self_attn.o_proj", None, r["q"]),),
+            "mlp.gate_up_proj": (("mlp.gate_proj", mlp, None), ("mlp.up_proj", mlp, None)),
+            "mlp.down_proj": (("mlp.down_proj", None, r["mlp"]),),
         }
-        for i, layer in enumerate(self.layers):
+        sharded = self.tp.world_size > 1
+        for local, layer in enumerate(self.layers):
+            i = self.layer_start + local
             for target, parts in fused.items():
-                names = [f"model.layers.{i}.{p}.weight" for p in parts]
+                names = [f"model.layers.{i}.{p}.weight" for p, _, _ in parts]
                 if not all(n in blocks for n in names):
                     continue
-                joined = QuantBlocks.concat([blocks[n] for n in names])
+                pieces = []
+                for name, (_, rows, cols) in zip(names, parts):
+                    b = blocks[name]
+                    if sharded and rows is not None:
+                        b = b.take_rows(rows)
+                    if sharded and cols is not None:
+                        b = b.take_cols(*cols)
+                    pieces.append(b)
+                joined = QuantBlocks.concat(pieces)
                 if joined is not None:
                     quant = QuantizedWeight(joined, kernels)
                     layer.get_submodule(target).set_quant(quant, max_rows)
                     count += 1
+        if not self.pp.is_last_rank:
+            return count
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         head_blocks = blocks.get(head_name)
+        if head_blocks is not None and sharded:
+            head_blocks = head_blocks.take_rows(np.arange(*r["vocab"]))
         if head_blocks is None and quantize_lm_head and self.config.hidden_size % GROUP_SIZE == 0:
-            head_blocks = quantize_q8_0(self.lm_head_weight)
+            head_blocks = quantize_q8_0(self.lm_head_weight[: r["vocab"][1] - r["vocab"][0]])
         if head_blocks is not None:
             self.lm_head_quant = QuantizedWeight(head_blocks, kernels)
             self.lm_head_quant_max_rows = max_rows

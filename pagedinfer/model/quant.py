@@ -59,6 +59,19 @@ class QuantBlocks:
             None if self.offset is None else self.offset[order],
         )
 
+    def take_cols(self, start: int, end: int) -> QuantBlocks:
+        """Input features [start, end) (whole groups of 32: a row-parallel shard)."""
+        if start % GROUP_SIZE or end % GROUP_SIZE:
+            raise ValueError(f"columns [{start}, {end}) do not fall on groups of {GROUP_SIZE}")
+        g0, g1 = start // GROUP_SIZE, end // GROUP_SIZE
+        per_group = self.codes.shape[1] // self.scale.shape[1]  # code bytes per group
+        return QuantBlocks(
+            self.kind,
+            np.ascontiguousarray(self.codes[:, g0 * per_group : g1 * per_group]),
+            np.ascontiguousarray(self.scale[:, g0:g1]),
+            None if self.offset is None else np.ascontiguousarray(self.offset[:, g0:g1]),
+        )
+
     @staticmethod
     def concat(parts: Sequence[QuantBlocks]) -> QuantBlocks | None:
         """Row-wise concatenation (fused q/k/v, gate/up); None if the parts' formats differ."""

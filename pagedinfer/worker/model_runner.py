@@ -28,6 +28,7 @@ from pagedinfer.attention.backend import (
 from pagedinfer.config import SpeculativeConfig
 from pagedinfer.core.messages import LogprobsLists
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.distributed.parallel_state import get_pp_group
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.sample.metadata import LogprobsTensors, SamplingMetadata
 from pagedinfer.sample.sampler import (
@@ -166,6 +167,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.backend = backend
+        self.pp = get_pp_group()
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -220,6 +222,11 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.new_token_ids and not self.pp.is_last_rank:
+                # An earlier pipeline stage: the tokens come from the scheduler, since only
+                # the last stage samples them.
+                del state.all_token_ids[state.num_computed_tokens :]
+                state.all_token_ids.extend(cached.new_token_ids[i])
 
     # ------------------------------------------------------------------ forward
 
@@ -283,13 +290,22 @@ class ModelRunner:
         pos_tensor = torch.from_numpy(positions)  # [num_tokens] int64
         ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
         aux = None
-        with set_forward_context(ctx):
-            if self.proposer is not None and self.proposer.aux_layers:
-                hidden, aux = self.model.forward_with_aux(
-                    input_ids, pos_tensor, self.proposer.aux_layers
-                )
-            else:
-                hidden = self.model(input_ids, pos_tensor)  # [num_tokens, hidden_size]
+        if self.pp.world_size > 1:
+            stage_hidden = self._forward_stage(ctx, input_ids, pos_tensor)
+            if stage_hidden is None:  # an earlier stage: its output went to the next one
+                for req_id in req_ids:
+                    self.requests[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
+                self._step = _StepState(req_ids, [], None, {})
+                return None
+            hidden = stage_hidden
+        else:
+            with set_forward_context(ctx):
+                if self.proposer is not None and self.proposer.aux_layers:
+                    hidden, aux = self.model.forward_with_aux(
+                        input_ids, pos_tensor, self.proposer.aux_layers
+                    )
+                else:
+                    hidden = self.model(input_ids, pos_tensor)  # [num_tokens, hidden_size]
         if self.proposer is not None:
             self.proposer.observe_forward(input_ids, pos_tensor, common)
 
@@ -312,6 +328,27 @@ class ModelRunner:
                 (r, int(qsl_np[i]), int(computed_np[i]), int(num_scheduled[i]))
                 for i, r in enumerate(req_ids)
             ]
+        return None
+
+    def _forward_stage(
+        self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One pipeline stage of the forward pass: receive the previous stage's (hidden,
+        residual), run this stage's layers, and send them on (None); the last stage returns
+        the final hidden states. Every stage derives the token count from the same
+        scheduler output, so only the tensors' data crosses."""
+        pp = self.pp
+        intermediate = None
+        if not pp.is_first_rank:
+            shape = (input_ids.shape[0], self.model.config.hidden_size)
+            dtype = self.kv_caches[0].dtype if self.kv_caches else torch.float32
+            intermediate = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+            pp.recv(list(intermediate), pp.rank_in_group - 1)
+        with set_forward_context(ctx):
+            if pp.is_last_rank:
+                return self.model(input_ids, positions, intermediate=intermediate)
+            hidden, residual = self.model.forward_stage(input_ids, positions, intermediate)
+        pp.send([hidden, residual], pp.rank_in_group + 1)
         return None
 
     def _prompt_logprobs(

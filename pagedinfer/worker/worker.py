@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from typing import Any
 
 import torch
 
@@ -20,7 +22,8 @@ from pagedinfer.attention.cpu_sdpa import CpuPagedBackend, CpuSdpaBackend
 from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedinfer.model.llama import LlamaForCausalLM
+from pagedinfer.distributed.parallel_state import get_tp_group, init_distributed
+from pagedinfer.model.llama import LlamaForCausalLM, TPShard
 from pagedinfer.model.loader import ModelArchConfig, load_model_weights, load_quant_blocks
 from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
@@ -65,11 +68,27 @@ def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torc
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
+        """`rank` in [0, tensor x pipeline parallel size); a worker of a larger world joins
+        the process groups here (`distributed_init_method`: "tcp://host:port")."""
         self.config = config
+        self.rank = rank
         self.dtype = resolve_dtype(config.model_config.dtype)
         if config.model_config.num_threads is not None:
             torch.set_num_threads(config.model_config.num_threads)
+        par = config.parallel_config
+        if par.world_size > 1:
+            assert distributed_init_method is not None
+            init_distributed(
+                rank,
+                par.tensor_parallel_size,
+                par.pipeline_parallel_size,
+                distributed_init_method,
+            )
+        self.local_arch: ModelArchConfig | None = None
+        """The architecture as this rank holds it: its KV heads and its stage's layers."""
         self.arch: ModelArchConfig | None = None
         self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
@@ -90,6 +109,12 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
         arch, model, backend = self._build_model(self.config.model_config.model)
         self.arch, self.model, self.backend = arch, model, backend
+        self.local_arch = dataclasses.replace(
+            arch,
+            num_attention_heads=model.shard.num_heads,
+            num_key_value_heads=model.shard.num_kv_heads,
+            num_hidden_layers=model.num_local_layers,
+        )
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model" and spec.model is not None:
             # RoPE tables as long as the target's: the draft sees the same positions.
@@ -113,7 +138,13 @@ class Worker:
         self, path: str | None, max_position: int = 0
     ) -> tuple[ModelArchConfig, LlamaForCausalLM, AttentionBackend]:
         arch, state_dict = load_model_weights(path, self.dtype)
-        backend = self._make_backend(arch)
+        tp = get_tp_group()
+        shard = TPShard.of(arch, tp.rank_in_group, tp.world_size)
+        backend = self._make_backend(
+            dataclasses.replace(
+                arch, num_attention_heads=shard.num_heads, num_key_value_heads=shard.num_kv_heads
+            )
+        )
         # Built on the meta device: load_weights installs the loaded tensors as parameters,
         # so the weights exist once in memory, not twice.
         with torch.device("meta"):
@@ -163,9 +194,9 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         """Bytes of one KV block over all layers (a separate draft model's included: its
         cache has the same blocks)."""
-        assert self.arch is not None
+        assert self.local_arch is not None
         bs = self.config.cache_config.block_size
-        total = kv_cache_bytes_per_block(self.arch, bs, self.dtype)
+        total = kv_cache_bytes_per_block(self.local_arch, bs, self.dtype)
         if self.draft is not None:
             total += kv_cache_bytes_per_block(self.draft[0], bs, self.dtype)
         if self._eagle():
@@ -182,8 +213,8 @@ class Worker:
         return self.config.cache_config.kv_cache_memory_bytes // self.kv_bytes_per_block()
 
     def initialize_cache(self, num_blocks: int) -> None:
-        assert self.arch is not None and self.model is not None
-        arch, bs = self.arch, self.config.cache_config.block_size
+        assert self.local_arch is not None and self.model is not None
+        arch, bs = self.local_arch, self.config.cache_config.block_size
         kv_caches = self._kv_caches(arch, num_blocks)
         draft_model = None
         if self.draft is not None:
@@ -214,6 +245,25 @@ class Worker:
             )  # [2, num_blocks, block_size, num_kv_heads, head_dim]
             for _ in range(arch.num_hidden_layers)
         ]
+
+    def ping(self) -> str:
+        return "pong"
+
+    def rank_info(self) -> dict[str, Any]:
+        """This rank's place and share of the model (tests and logs): its pid, tensor and
+        pipeline ranks, decoder layers, heads and parameter bytes."""
+        assert self.model is not None
+        model = self.model
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "tp_rank": model.tp.rank_in_group,
+            "pp_rank": model.pp.rank_in_group,
+            "layers": [model.layer_start, model.layer_end],
+            "num_heads": model.shard.num_heads,
+            "num_kv_heads": model.shard.num_kv_heads,
+            "param_bytes": sum(p.numel() * p.dtype.itemsize for p in model.parameters()),
+        }
 
     def _after_step(self) -> None:
         self.heap_trimmer.maybe_trim()
