@@ -234,6 +234,9 @@ class MessageQueue:
         return self
 
     def _setup(self, shm: SharedMemory, handle: Handle, rank: int | None) -> None:
+        self.spin_s = SPIN_S
+        """How long a waiter spins after its last message before it sleeps (settable: a
+        side that usually waits long, e.g. for a whole forward pass, spins less)."""
         self._shm = shm
         self._buf = shm.buf
         self._handle = handle
@@ -428,7 +431,7 @@ class MessageQueue:
     ) -> None:
         """Return once `is_ready()`: spin for a while after the last message, then sleep on
         `notify_sock` with this side's sleeping mark set (see the module docstring)."""
-        spin_until = self._last_active + SPIN_S
+        spin_until = self._last_active + self.spin_s
         while time.monotonic() < spin_until:
             os.sched_yield()
             if is_ready():

@@ -43,6 +43,13 @@ class EngineCore:
         if executor_class is None:
             executor_class = Executor.get_class(config)
         self.executor = executor_class(config)
+        try:
+            self._init_after_executor(config)
+        except BaseException:
+            self.executor.shutdown()  # worker processes must not outlive a failed start
+            raise
+
+    def _init_after_executor(self, config: EngineConfig) -> None:
         info = self.executor.load_model()
         self.model_info = info
         self.max_model_len = self._resolve_max_model_len(info)

@@ -303,10 +303,12 @@ def run_engine_core(
     code = 0
     try:
         engine.run_busy_loop()
-    except Exception:
+    except Exception as exc:
         code = 1
         logger.exception("Engine core step failed; the engine process exits.")
-        output_queue.put((OutputKind.FATAL, "engine core step failed:\n" + traceback.format_exc()))
+        # The cause first (clients see the first line), then the traceback.
+        reason = f"engine core step failed: {type(exc).__name__}: {exc}\n"
+        output_queue.put((OutputKind.FATAL, reason + traceback.format_exc()))
     finally:
         output_queue.put((None, None))
         writer.join(timeout=5)

@@ -34,7 +34,7 @@ import msgspec
 
 logger = logging.getLogger("pagedinfer")
 
-__all__ = ["main"]
+__all__ = ["handle_call", "main"]
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -68,6 +68,7 @@ def main() -> None:
     from pagedinfer.distributed.shm_mq import Handle, MessageQueue
     from pagedinfer.engine.core_proc import config_from_json
     from pagedinfer.executor.messages import WorkerReady
+    from pagedinfer.executor.multiproc import wait_spin_s
     from pagedinfer.worker.worker import Worker
 
     config = config_from_json(setup["config"])
@@ -81,6 +82,7 @@ def main() -> None:
     broadcast = MessageQueue.create_from_handle(
         msgspec.msgpack.decode(bytes.fromhex(setup["broadcast_handle"]), type=Handle), rank
     )
+    broadcast.spin_s = wait_spin_s(config.parallel_config.world_size)
     response = MessageQueue(n_reader=1)
     ready = WorkerReady(rank, os.getpid(), msgspec.msgpack.encode(response.export_handle()))
     with os.fdopen(ready_fd, "wb") as pipe:
@@ -94,20 +96,45 @@ def main() -> None:
         response.close()
 
 
-def _busy_loop(worker: Any, broadcast: Any, response: Any, rank: int, parallel: Any) -> None:
-    from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
+def handle_call(worker: Any, call: Any, rank: int, output_rank: int) -> tuple[bool, Any]:
+    """Run one decoded `WorkerCall` (not `Shutdown`) on `worker`: whether the executor
+    expects a reply from this rank, and the result. Exceptions propagate; the caller reports
+    them. Shared by this process's busy loop and the Ray actor (`ray_executor.py`), so both
+    executors dispatch a call the same way."""
     from pagedinfer.executor.messages import (
         WORKER_UTILITY_METHODS,
         ExecuteModel,
         InitializeCache,
         LoadModel,
         SampleTokens,
-        Shutdown,
         Utility,
-        WorkerCall,
-        WorkerReply,
     )
     from pagedinfer.executor.uniproc import model_info
+
+    if isinstance(call, LoadModel):
+        worker.load_model()
+        return True, model_info(worker)
+    if isinstance(call, InitializeCache):
+        return True, worker.initialize_cache(call.num_blocks)
+    if isinstance(call, ExecuteModel):
+        result = worker.execute_model(call.scheduler_output)
+        if call.sample:
+            result = worker.sample_tokens(call.grammar_output)
+        # Only the output rank answers for a step (the others' results are None).
+        return call.sample and rank == output_rank, result
+    if isinstance(call, SampleTokens):
+        return rank == output_rank, worker.sample_tokens(call.grammar_output)
+    if isinstance(call, Utility):
+        if call.method not in WORKER_UTILITY_METHODS:
+            raise ValueError(f"unknown worker method {call.method!r}")
+        return True, getattr(worker, call.method)(*call.args)
+    # The decoder admits only the union's types; Shutdown is the caller's to handle.
+    raise TypeError(f"unexpected call {call!r}")  # pragma: no cover
+
+
+def _busy_loop(worker: Any, broadcast: Any, response: Any, rank: int, parallel: Any) -> None:
+    from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
+    from pagedinfer.executor.messages import Shutdown, WorkerCall, WorkerReply
 
     decoder = MsgpackDecoder(WorkerCall)
     encoder = MsgpackEncoder()
@@ -117,27 +144,8 @@ def _busy_loop(worker: Any, broadcast: Any, response: Any, rank: int, parallel: 
         call = decoder.decode(broadcast.dequeue())
         if isinstance(call, Shutdown):
             return
-        reply_wanted = True
         try:
-            if isinstance(call, LoadModel):
-                worker.load_model()
-                result: Any = model_info(worker)
-            elif isinstance(call, InitializeCache):
-                result = worker.initialize_cache(call.num_blocks)
-            elif isinstance(call, ExecuteModel):
-                result = worker.execute_model(call.scheduler_output)
-                if call.sample:
-                    result = worker.sample_tokens(call.grammar_output)
-                reply_wanted = call.sample and rank == output_rank
-            elif isinstance(call, SampleTokens):
-                result = worker.sample_tokens(call.grammar_output)
-                reply_wanted = rank == output_rank
-            elif isinstance(call, Utility):
-                if call.method not in WORKER_UTILITY_METHODS:
-                    raise ValueError(f"unknown worker method {call.method!r}")
-                result = getattr(worker, call.method)(*call.args)
-            else:  # pragma: no cover - the decoder admits only the union's types
-                raise TypeError(f"unexpected call {call!r}")
+            reply_wanted, result = handle_call(worker, call, rank, output_rank)
         except Exception as exc:
             logger.error("worker %d failed:\n%s", rank, traceback.format_exc())
             response.enqueue(

@@ -504,7 +504,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
                 )
-            setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
+            tensor = tensor.contiguous()
+            if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                # A shard is a view of the whole matrix: copy it, so the rest can be freed.
+                tensor = tensor.clone()
+            setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
             loaded.add(name)
 
         sd = state_dict

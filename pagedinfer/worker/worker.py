@@ -262,7 +262,11 @@ class Worker:
             "layers": [model.layer_start, model.layer_end],
             "num_heads": model.shard.num_heads,
             "num_kv_heads": model.shard.num_kv_heads,
-            "param_bytes": sum(p.numel() * p.dtype.itemsize for p in model.parameters()),
+            # Storage, not element counts: a shard that kept its whole matrix alive shows.
+            "param_bytes": sum(
+                p.numel() * p.dtype.itemsize if p.is_mkldnn else p.untyped_storage().nbytes()
+                for p in model.parameters()
+            ),
         }
 
     def _after_step(self) -> None:

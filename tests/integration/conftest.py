@@ -75,3 +75,54 @@ def hf_greedy(default_gguf_path):
 @pytest.fixture(scope="session")
 def hf_outputs(prompts, hf_greedy) -> list[list[int]]:
     return [hf_greedy(ids) for ids in prompts]
+
+
+# Tensor/pipeline parallel tests (test_executors.py, test_ray_executor.py): float32, so the
+# sharded engines must equal the single-rank one token for token.
+PARALLEL_ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 1024}
+PARALLEL_MAX_TOKENS = 32
+
+
+def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int = PARALLEL_MAX_TOKENS):
+    from pagedinfer import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="session")
+def single_rank_run(prompts) -> tuple[list[list[int]], int]:
+    """The single-rank engine's greedy outputs on `prompts` and its parameter bytes (the
+    reference of every parallel configuration; computed once per session)."""
+    from pagedinfer import LLM
+
+    with LLM(**PARALLEL_ENGINE) as llm:
+        info = llm.llm_engine.engine_core.executor.collective_rpc("rank_info")[0]
+        return greedy_token_ids(llm, prompts), info["param_bytes"]
+
+
+def kill_mid_generation(llm, pid: int, warmup_s: float, max_tokens: int = 2000):
+    """Generate in a thread, SIGKILL `pid` (a worker rank) after `warmup_s`, and wait for
+    the generate call to fail: (the exceptions it raised, seconds from kill to failure)."""
+    import signal
+    import threading
+    import time
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            greedy_token_ids(llm, [[5, 6, 7, 8]] * 4, max_tokens=max_tokens)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(warmup_s)  # mid-generation
+    assert thread.is_alive(), "generation ended before the kill"
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "generation still running 30 s after the kill"
+    return errors, time.monotonic() - killed_at

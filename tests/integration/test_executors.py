@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 
-from pagedinfer import LLM, SamplingParams
+from pagedinfer import LLM
+from tests.integration.conftest import PARALLEL_ENGINE as SMALL
+from tests.integration.conftest import greedy_token_ids as _generate
+from tests.integration.conftest import kill_mid_generation
 from tests.model.tiny import make_tiny_llama_dir
-
-MAX_TOKENS = 32
-SMALL = {"dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 1024}
 
 
 def _shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
-
-
-def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _alive(pid: int) -> bool:
@@ -45,12 +38,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tp1_outputs(prompts) -> list[list[int]]:
-    with LLM(**SMALL) as llm:
-        return _generate(llm, prompts)
+def tp1_outputs(single_rank_run) -> list[list[int]]:
+    return single_rank_run[0]
 
 
-def test_tp3_equals_tp1(prompts, tp1_outputs):
+def test_tp3_equals_tp1(prompts, tp1_outputs, single_rank_run):
     before = _shm_entries()
     with LLM(tensor_parallel_size=3, **SMALL) as llm:
         infos = llm.llm_engine.engine_core.executor.collective_rpc("rank_info")
@@ -60,6 +52,9 @@ def test_tp3_equals_tp1(prompts, tp1_outputs):
     assert {i["num_heads"] for i in infos} == {3} and {i["num_kv_heads"] for i in infos} == {1}
     assert {tuple(i["layers"]) for i in infos} == {(0, 30)}
     assert len({i["pid"] for i in infos}) == 3
+    # Each rank loaded only its shard: a third of everything (the norms, 0.1%, replicate).
+    for i in infos:
+        assert i["param_bytes"] < 0.34 * single_rank_run[1], (i["param_bytes"], single_rank_run[1])
     assert all(not _alive(i["pid"]) for i in infos)
     assert _shm_entries() <= before
 
@@ -91,27 +86,95 @@ def test_sigkill_worker_fails_engine_fast():
     llm = LLM(tensor_parallel_size=3, **SMALL)
     executor = llm.llm_engine.engine_core.executor
     pids = [w.proc.pid for w in executor.workers]
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            _generate(llm, [[1, 2, 3, 4]] * 4, max_tokens=2000)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    time.sleep(3.0)  # mid-generation
-    assert thread.is_alive()
-    killed_at = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
-    thread.join(timeout=30)
-    elapsed = time.monotonic() - killed_at
-    assert not thread.is_alive()
+    errors, elapsed = kill_mid_generation(llm, pids[1], warmup_s=3.0)
     assert elapsed < 5.0, f"failure reported after {elapsed:.1f} s"
     assert errors and "worker rank 1" in str(errors[0]) and "signal 9" in str(errors[0])
     llm.shutdown()
     deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+    assert _shm_entries() <= before
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    """The worker processes of the server's engine core (its grandchildren)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"pagedinfer.executor.worker_proc" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().split(")")[-1].split()[1])
+            with open(f"/proc/{ppid}/stat") as f:
+                grandparent = int(f.read().split(")")[-1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+        if grandparent == server_pid:
+            pids.append(int(pid))
+    return sorted(pids)
+
+
+def test_server_worker_sigkill_ends_streams_with_error():
+    """The same through `pagedinfer serve`: the engine core's step fails, FATAL reaches the
+    front end, each streaming request ends with an error naming the dead rank, /health
+    turns 503, and stopping the server leaves no worker or shared-memory segment."""
+    import asyncio
+    import json
+    import urllib.error
+    import urllib.request
+
+    import aiohttp
+
+    from tests.integration.server_proc import ServerProcess, small_engine_flags
+
+    before = _shm_entries()
+    server = ServerProcess("--tensor-parallel-size", "3", *small_engine_flags())
+    try:
+        pids = _worker_pids(server.pid)
+        assert len(pids) == 3, pids
+
+        async def stream(session, started: asyncio.Event, events: list[str]) -> None:
+            body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            async with session.post(server.base + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            started.set()
+
+        async def run() -> tuple[list[list[str]], float]:
+            timeout = aiohttp.ClientTimeout(total=120)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                events: list[list[str]] = [[], []]
+                started = [asyncio.Event(), asyncio.Event()]
+                tasks = [asyncio.ensure_future(stream(session, started[i], events[i]))
+                         for i in (0, 1)]  # fmt: skip
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                os.kill(pids[2], signal.SIGKILL)
+                killed_at = time.monotonic()
+                await asyncio.gather(*tasks)
+                return events, time.monotonic() - killed_at
+
+        events, elapsed = asyncio.run(run())
+        assert elapsed < 5.0, f"streams ended {elapsed:.1f} s after the kill"
+        for stream_events in events:
+            errors = [json.loads(e)["error"] for e in stream_events if '"error"' in e]
+            assert errors, stream_events[-3:]
+            assert "worker rank 2" in errors[0]["message"], errors[0]
+            assert stream_events[-1] == "[DONE]"
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(server.base + "/health", timeout=30)
+        assert info.value.code == 503
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)

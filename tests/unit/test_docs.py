@@ -9,6 +9,7 @@ from pagedinfer.config import (
     CacheConfig,
     ModelConfig,
     ObservabilityConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -37,6 +38,7 @@ def test_every_engine_option_is_documented() -> None:
         SchedulerConfig,
         ObservabilityConfig,
         StructuredOutputsConfig,
+        ParallelConfig,
     ):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in readme, f.name
