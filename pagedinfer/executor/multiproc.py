@@ -203,8 +203,13 @@ class MultiProcExecutor(Executor):
                 readable, _, _ = select.select(list(fds), [], [], 1.0)
                 if not readable or self._closed:
                     continue
-                w = fds[readable[0]]
-                code = w.proc.wait()
+                dead = [fds[fd] for fd in readable]
+                for w in dead:
+                    w.proc.wait()
+                # Several at once: a rank killed by a signal is the cause; the others
+                # exited because their collective lost it.
+                w = min(dead, key=lambda d: (d.proc.returncode >= 0, d.rank))
+                code = w.proc.returncode
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
                 self._fail(f"worker rank {w.rank} (pid {w.proc.pid}) died ({how})")
                 return
@@ -262,6 +267,13 @@ class MultiProcExecutor(Executor):
                 raise ExecutorFailed(f"worker {rank}: {exc}") from exc
         reply: WorkerReply = self._decoder(reply_type).decode(buffers)
         if reply.error is not None:
+            # A rank's error is often the echo of another rank's death (its collective
+            # lost the peer): give the monitor a moment, and name the death if there is one.
+            deadline = time.monotonic() + 1.0
+            while self._failure is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._failure is not None:
+                raise ExecutorFailed(f"{self._failure}; then {reply.error.splitlines()[0]}")
             raise ExecutorFailed(reply.error)
         return reply.result
 
