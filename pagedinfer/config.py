@@ -210,7 +210,9 @@ class ParallelConfig:
     new requests go to the one with the least load (waiting x 4 + running)."""
     data_parallel_backend: Literal["mp", "ray"] = "mp"
     """How data-parallel engine cores are started: local processes ("mp") or Ray actors on
-    an existing Ray cluster ("ray")."""
+    an existing Ray cluster ("ray", one placement-group bundle of tensor x pipeline CPUs
+    per engine core, whose workers then run beside it: not with
+    distributed_executor_backend "ray")."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How an engine core reaches its workers: in process ("uni"), one process per rank
     on this machine behind shared-memory queues ("mp"), or Ray actors placed on an

@@ -1,6 +1,6 @@
 """Clients through which an asyncio front end (`AsyncLLM`) drives the engine core.
 
-Both have the same interface:
+All have the same interface:
 - `add_request(EngineCoreRequest)`, `abort_requests(ids)`: fire and forget (they never block
   the event loop, so an abort can be sent from a generator's cleanup);
 - `await get_output()`: the next `EngineCoreOutputs`; raises `EngineDeadError` once the
@@ -14,6 +14,15 @@ torch threads, nothing pickled),
 over two ZMQ IPC sockets bound here. A monitor thread waits on the process's sentinel: when
 the process dies, `get_output` raises `EngineDeadError` at once (with the engine's last
 FATAL message, if it sent one), so every waiting request fails fast instead of hanging.
+
+`RayMPClient` (data-parallel replicas with `data_parallel_backend="ray"`, see `dp_client`):
+the same engine core body (`core_proc.run_engine_core`) runs in a Ray actor, possibly on
+another machine, and the same two sockets are bound on TCP ports of this node's IP instead:
+the same messages, the same code on both ends. Ray only starts the actor and tells us when
+it is gone; see the class.
+
+Both are a `SocketClient`, which holds the sockets, the output reader and the dead/alive
+state; the subclass starts the engine's process, watches it and stops it.
 
 `InprocClient`: the same engine core in this process, each step run in a worker thread (for
 tests and debugging: one process, a debugger sees everything). Inputs are applied between
@@ -32,7 +41,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Any
+from functools import cache
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -46,11 +56,23 @@ from pagedinfer.engine.core_proc import (
     UtilityCall,
     UtilityResult,
     config_to_json,
+    run_engine_core,
 )
+from pagedinfer.executor.ray_executor import _connected, _first_line
 
 logger = logging.getLogger("pagedinfer")
 
-__all__ = ["AsyncMPClient", "EngineCoreClient", "EngineDeadError", "InprocClient"]
+__all__ = [
+    "AsyncMPClient",
+    "EngineCoreActor",
+    "EngineCoreClient",
+    "EngineCoreNode",
+    "EngineDeadError",
+    "InprocClient",
+    "RayMPClient",
+    "SocketClient",
+    "engine_core_actor_class",
+]
 
 
 class EngineDeadError(RuntimeError):
@@ -80,48 +102,39 @@ class EngineCoreClient:
         raise NotImplementedError
 
 
-class AsyncMPClient(EngineCoreClient):
-    """The engine core in a child process; see the module docstring."""
+class SocketClient(EngineCoreClient):
+    """An engine core in another process, driven over two ZMQ sockets bound here (the wire
+    protocol in `core_proc`). A subclass says where the sockets are bound (`_bind`) and
+    starts, watches and stops the engine's process (`_start_engine`, `_startup_failure`,
+    `_wait_engine_gone`, `_stop_engine`)."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0) -> None:
+    engine_location: str
+    """Where the engine core runs, for logs: "pid 1234"."""
+    _send_timeout_ms = -1
+    """SNDTIMEO of the input socket; -1: a send blocks until the engine takes the message."""
+
+    def __init__(self, config: EngineConfig, startup_timeout_s: float) -> None:
         import zmq
 
-        self._dir = tempfile.mkdtemp(prefix="pagedinfer-")
-        input_address = f"ipc://{os.path.join(self._dir, 'input')}"
-        output_address = f"ipc://{os.path.join(self._dir, 'output')}"
         self._sync_context = zmq.Context()
         # Sends go through a plain (sync) socket guarded by a lock: callable from any
         # thread or from a generator's cleanup, never awaiting.
         self._input = self._sync_context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_address)
+        self._input.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+        input_address = self._bind(self._input, "input")
         self._send_lock = threading.Lock()
         self._output_sync = self._sync_context.socket(zmq.PULL)
-        self._output_sync.bind(output_address)
+        output_address = self._bind(self._output_sync, "output")
         self._dead_reason: str | None = None
         self._closed = False
         self._output: Any = None
         self._outputs: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._monitor: threading.Thread | None = None
 
-        # A fresh interpreter running `python -m pagedinfer.engine.core_proc` (not a
-        # multiprocessing spawn: nothing is pickled, and the caller's __main__ is not
-        # re-imported); the config goes in as JSON on stdin.
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagedinfer.engine.core_proc",
-                input_address,
-                output_address,
-                str(os.getpid()),
-            ],
-            stdin=subprocess.PIPE,
-        )
-        assert self.process.stdin is not None
-        self.process.stdin.write(config_to_json(config).encode())
-        self.process.stdin.close()
+        self._start_engine(config_to_json(config), input_address, output_address)
         try:
             self.info = self._wait_ready(startup_timeout_s)
         except BaseException:
@@ -132,9 +145,33 @@ class AsyncMPClient(EngineCoreClient):
         self._utility_ids = itertools.count()
         self._utility_waiters: dict[int, asyncio.Future] = {}
         self._monitor = threading.Thread(
-            target=self._watch_process, name="engine-monitor", daemon=True
+            target=self._watch_engine, name="engine-monitor", daemon=True
         )
         self._monitor.start()
+
+    # --------------------------------------------------------------- subclass hooks
+
+    def _bind(self, socket: Any, name: str) -> str:
+        """Bind `socket` (the engine's `name` socket: "input" or "output"); its address."""
+        raise NotImplementedError
+
+    def _start_engine(self, config_json: str, input_address: str, output_address: str) -> None:
+        """Start `core_proc.run_engine_core` in another process (it connects to both)."""
+        raise NotImplementedError
+
+    def _startup_failure(self) -> str | None:
+        """Why the engine is gone already, if it is (asked while waiting for READY)."""
+        raise NotImplementedError
+
+    def _wait_engine_gone(self) -> str:
+        """Block until the engine's process is gone (or this client closed); why."""
+        raise NotImplementedError
+
+    def _stop_engine(self) -> None:
+        """Make the engine's process exit (a SHUTDOWN message first), killing it if need be."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------ start-up
 
     def _wait_ready(self, timeout_s: float) -> EngineCoreReady:
         import zmq
@@ -151,24 +188,21 @@ class AsyncMPClient(EngineCoreClient):
                     raise RuntimeError(f"Engine core failed to start: {payload.decode()}")
                 raise RuntimeError(f"Unexpected first message from the engine: {kind!r}")
             waited += 0.5
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"Engine core process exited during startup (code {self.process.returncode})."
-                )
+            if (failure := self._startup_failure()) is not None:
+                raise RuntimeError(failure)
         raise RuntimeError(f"Engine core not ready after {timeout_s:.0f} s.")
 
-    # ------------------------------------------------------------------ process liveness
+    # ------------------------------------------------------------------ engine liveness
 
     @property
     def is_dead(self) -> bool:
         return self._dead_reason is not None
 
-    def _watch_process(self) -> None:
-        code = self.process.wait()
-        if self._closed:
-            return
-        reason = f"Engine core process died (exit code {code})."
-        self._mark_dead(reason)
+    def _watch_engine(self) -> None:
+        """The monitor thread: the engine's end, unless we ended it, kills this client."""
+        reason = self._wait_engine_gone()
+        if not self._closed:
+            self._mark_dead(reason)
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_reason is None:
@@ -181,10 +215,20 @@ class AsyncMPClient(EngineCoreClient):
     # ------------------------------------------------------------------------- inputs
 
     def _send(self, kind: InputKind, payload: bytes) -> None:
+        import zmq
+
         if self.is_dead:
             raise EngineDeadError(self._dead_reason)
         with self._send_lock:
-            self._input.send_multipart([kind.value, payload])
+            while True:
+                try:
+                    self._input.send_multipart([kind.value, payload])
+                    return
+                except zmq.Again:  # only with a send timeout (see RayMPClient)
+                    if self.is_dead or self._closed:
+                        raise EngineDeadError(
+                            self._dead_reason or "The engine core client is shut down."
+                        ) from None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(InputKind.ADD, msgspec.msgpack.encode(request))
@@ -251,26 +295,216 @@ class AsyncMPClient(EngineCoreClient):
             raise item
         return item
 
+    def _send_shutdown(self) -> None:
+        with self._send_lock:
+            self._input.send_multipart([InputKind.SHUTDOWN.value, b""])
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stop_engine()
+        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._reader.cancel)
+        for sock in (self._input, self._output_sync):
+            if not sock.closed:
+                sock.close(linger=0)
+
+
+class AsyncMPClient(SocketClient):
+    """The engine core in a child process, over ipc sockets; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0) -> None:
+        self._dir = tempfile.mkdtemp(prefix="pagedinfer-")
+        super().__init__(config, startup_timeout_s)
+
+    def _bind(self, socket: Any, name: str) -> str:
+        address = f"ipc://{os.path.join(self._dir, name)}"
+        socket.bind(address)
+        return address
+
+    def _start_engine(self, config_json: str, input_address: str, output_address: str) -> None:
+        # A fresh interpreter running `python -m pagedinfer.engine.core_proc` (not a
+        # multiprocessing spawn: nothing is pickled, and the caller's __main__ is not
+        # re-imported); the config goes in as JSON on stdin.
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pagedinfer.engine.core_proc",
+                input_address,
+                output_address,
+                str(os.getpid()),
+            ],
+            stdin=subprocess.PIPE,
+        )
+        self.engine_location = f"pid {self.process.pid}"
+        assert self.process.stdin is not None
+        self.process.stdin.write(config_json.encode())
+        self.process.stdin.close()
+
+    def _startup_failure(self) -> str | None:
+        if self.process.poll() is None:
+            return None
+        return f"Engine core process exited during startup (code {self.process.returncode})."
+
+    def _wait_engine_gone(self) -> str:
+        code = self.process.wait()
+        return f"Engine core process died (exit code {code})."
+
+    def _stop_engine(self) -> None:
         try:
             if self.process.poll() is None:
-                with self._send_lock:
-                    self._input.send_multipart([InputKind.SHUTDOWN.value, b""])
+                self._send_shutdown()
                 self.process.wait(timeout=10)
         except Exception:  # best effort: the process is killed below if still there
             pass
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=5)
-        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._reader.cancel)
-        for sock in (self._input, self._output_sync):
-            if not sock.closed:
-                sock.close(linger=0)
+
+    def shutdown(self) -> None:
+        super().shutdown()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class EngineCoreNode(NamedTuple):
+    """Where an `EngineCoreActor` runs."""
+
+    node_id: str
+    """Ray's id of the node."""
+    ip: str
+    cpu_count: int
+    pid: int
+
+
+class EngineCoreActor:
+    """The body of the Ray actor that runs one engine core (`engine_core_actor_class` makes
+    it a remote class, so that importing this module does not import Ray). An actor is a
+    process of its own: `run` is that process's engine core for as long as it lives."""
+
+    def node_info(self) -> EngineCoreNode:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        return EngineCoreNode(
+            node_id, ray.util.get_node_ip_address(), os.cpu_count() or 1, os.getpid()
+        )
+
+    def run(self, config_json: str, input_address: str, output_address: str) -> None:
+        """`core_proc.run_engine_core`, connecting to the front end's TCP sockets; returns
+        when the engine exits. No parent-process check: Ray kills this actor when the
+        front end's process (its owner) is gone."""
+        run_engine_core(config_json, input_address, output_address, parent_pid=None)
+
+
+@cache
+def engine_core_actor_class() -> Any:
+    import ray
+
+    # One call at a time (Ray's default for an actor): `node_info`, then `run` for good.
+    return ray.remote(EngineCoreActor)
+
+
+class RayMPClient(SocketClient):
+    """The engine core in a Ray actor that is already placed (`dp_client` reserves its CPUs
+    and creates it), over TCP sockets bound on this node's IP as Ray knows it (the address
+    the other nodes reach this one at) and a port the OS picks.
+
+    Liveness: `run` is the actor's one long call, and its ref stands for the engine's
+    process: it fails the moment the actor dies (the watch-call pattern of
+    `RayDistributedExecutor`), and the monitor thread marks the client dead then. The other
+    direction needs nothing of ours: Ray kills the actor when this process, its owner,
+    goes. A send to an engine that is gone would block for ever on a PUSH socket with no
+    peer, so the input socket has a send timeout, and `_send` retries until the monitor
+    has marked the engine dead (a live engine that is merely slow to read just takes
+    longer). `shutdown` sends SHUTDOWN, gives the engine 10 s to exit, then kills the actor
+    (a returned `run` leaves the actor's process idle, not gone) and joins the monitor.
+
+    The ports take any peer that can reach them (msgpack, never pickle: a stranger can
+    send requests, not code): run the cluster on a trusted network, as Ray itself requires.
+    """
+
+    _send_timeout_ms = 200
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        actor: Any,
+        node: EngineCoreNode,
+        startup_timeout_s: float = 900.0,
+    ) -> None:
+        import ray
+
+        self.actor = actor
+        self.node = node
+        self.engine_location = f"Ray actor pid {node.pid} on {node.ip}"
+        self._host = ray.util.get_node_ip_address()
+        self._run_ref: Any = None
+        super().__init__(config, startup_timeout_s)
+
+    def _bind(self, socket: Any, name: str) -> str:
+        import zmq
+
+        host = self._host
+        if ":" in host:  # IPv6: bracketed, and ZMQ's IPv6 switch on
+            socket.setsockopt(zmq.IPV6, 1)
+            host = f"[{host}]"
+        socket.bind(f"tcp://{host}:*")
+        return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _start_engine(self, config_json: str, input_address: str, output_address: str) -> None:
+        self._run_ref = self.actor.run.remote(config_json, input_address, output_address)
+
+    def _run_outcome(self) -> str:
+        """How the finished `run` call ended."""
+        import ray
+
+        try:
+            ray.get(self._run_ref)
+        except Exception as exc:
+            return _first_line(exc)
+        return "its engine core exited"
+
+    def _startup_failure(self) -> str | None:
+        import ray
+
+        if not ray.wait([self._run_ref], timeout=0)[0]:
+            return None
+        return f"Engine core ({self.engine_location}) died during startup: {self._run_outcome()}"
+
+    def _wait_engine_gone(self) -> str:
+        import ray
+
+        # Polls `_closed`: `shutdown` joins this thread, which must make no Ray call after
+        # the connection is closed (Ray would answer it by starting a local cluster).
+        while not self._closed and _connected():
+            try:
+                done, _ = ray.wait([self._run_ref], timeout=1.0)
+            except Exception as exc:  # pragma: no cover - the connection broke
+                return f"Engine core ({self.engine_location}): Ray failed: {exc}"
+            if done:
+                return f"Engine core ({self.engine_location}) is gone: {self._run_outcome()}"
+        # Disconnected from Ray: the actor went with this process's Ray job.
+        return f"Engine core ({self.engine_location}): this process left the Ray cluster."
+
+    def _stop_engine(self) -> None:
+        import ray
+
+        if not _connected():  # the actor went with the connection
+            return
+        try:
+            if not ray.wait([self._run_ref], timeout=0)[0]:
+                self._send_shutdown()  # zmq.Again (the engine is gone) skips the wait
+                ray.wait([self._run_ref], timeout=10)
+        except Exception:  # best effort: the actor is killed below
+            pass
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+        if self._monitor is not None:
+            self._monitor.join()
 
 
 class InprocClient(EngineCoreClient):

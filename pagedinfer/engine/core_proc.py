@@ -18,9 +18,15 @@ The process runs three threads, as vLLM's does: an input thread decodes messages
 `input_queue`, the main thread busy-loops (apply inputs, `step()`, queue the outputs;
 block on the input queue when there is nothing to run), an output thread encodes and
 sends. Torch releases the GIL inside its kernels, so socket work overlaps the forward pass.
-The engine exits when told to, when a step raises (after sending FATAL), or when its parent
-process is gone (checked every second by the input thread), so it never outlives the
-server.
+The engine exits when told to, when a step raises (after sending FATAL), or, so that it
+never outlives the server, when the front end is gone. How that is seen depends on who
+started the process:
+- `AsyncMPClient` (a child process, ipc sockets): the input thread checks every second
+  that its parent process is still the one that started it;
+- `RayMPClient` (a Ray actor, possibly on another machine, tcp sockets): a parent pid
+  means nothing there (the actor's parent is Ray's raylet), so there is no such check.
+  Ray kills an actor when its owner, the front end's process, dies or disconnects (its
+  job ends), however it ends, and with it this engine core.
 """
 
 from __future__ import annotations
@@ -195,10 +201,11 @@ def reject_malformed_add(frames: list[bytes], error: Exception) -> EngineCoreOut
 
 
 def _input_thread(
-    engine: EngineCoreProc, socket: Any, parent_pid: int, stop: threading.Event
+    engine: EngineCoreProc, socket: Any, parent_pid: int | None, stop: threading.Event
 ) -> None:
     """Owns the input socket (closes it on the way out: `Context.term()` waits for every
-    socket to be closed)."""
+    socket to be closed). `parent_pid`: exit once this process's parent is no longer that
+    process; None: no such check (see the module docstring)."""
     import zmq
 
     poller = zmq.Poller()
@@ -206,7 +213,8 @@ def _input_thread(
     try:
         while not stop.is_set():
             if not poller.poll(1000):
-                if os.getppid() != parent_pid:  # the front end is gone: so are we
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    # The front end is gone: so are we.
                     stop.set()
                     engine.input_queue.put((InputKind.SHUTDOWN, None))
                     return
@@ -251,10 +259,21 @@ def _output_thread(output_queue: queue.Queue, socket: Any, stop: threading.Event
         socket.close(linger=0 if stop.is_set() else None)
 
 
+def _connect(socket: Any, address: str) -> None:
+    """`socket.connect(address)`; a "tcp://[v6 address]:port" needs ZMQ's IPv6 switch."""
+    import zmq
+
+    if address.startswith("tcp://["):
+        socket.setsockopt(zmq.IPV6, 1)
+    socket.connect(address)
+
+
 def run_engine_core(
-    config_json: str, input_address: str, output_address: str, parent_pid: int
+    config_json: str, input_address: str, output_address: str, parent_pid: int | None
 ) -> None:
-    """Body of the engine process (started by `AsyncMPClient`, see `__main__` below)."""
+    """Body of the engine process: of the child process `AsyncMPClient` starts (see
+    `__main__` below, "ipc://" addresses), or of the Ray actor `RayMPClient` starts
+    ("tcp://" addresses, `parent_pid` None). The front end has bound both addresses."""
     import zmq
 
     from pagedinfer.entrypoints.llm import _setup_logging
@@ -264,10 +283,10 @@ def run_engine_core(
     out_socket = context.socket(zmq.PUSH)
     out_socket.setsockopt(zmq.LINGER, 5000)
     out_socket.setsockopt(zmq.SNDTIMEO, 500)
-    out_socket.connect(output_address)
+    _connect(out_socket, output_address)
     in_socket = context.socket(zmq.PULL)
     in_socket.setsockopt(zmq.LINGER, 0)
-    in_socket.connect(input_address)
+    _connect(in_socket, input_address)
     encoder = msgspec.msgpack.Encoder()
     output_queue: queue.Queue = queue.Queue()
     try:

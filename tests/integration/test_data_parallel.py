@@ -23,37 +23,21 @@ import urllib.request
 
 import pytest
 
+from tests.integration.conftest import DP_MODEL as MODEL
+from tests.integration.conftest import dp_complete as _complete
+from tests.integration.conftest import dp_prompt as _prompt
 from tests.integration.server_proc import ServerProcess, small_engine_flags
 
 pytestmark = pytest.mark.integration
 
 aiohttp = pytest.importorskip("aiohttp")
 
-MODEL = "SmolLM2-135M-Instruct"
 NUM_REQUESTS = 16
-MAX_TOKENS = 16
 ROUTED = re.compile(r"Data parallel: routed \[(\d+), (\d+)\] requests")
 
 
-def _prompt(i: int) -> str:
-    topic = ["rivers", "deserts", "forests", "mountains"][i % 4]
-    return f"Question {i}: name one animal that lives in {topic}, and say why."
-
-
 @pytest.fixture(scope="module")
-def reference() -> list[str]:
-    """Greedy texts from one engine core in this process (freed before the server starts)."""
-    from pagedinfer import LLM, SamplingParams
-
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([_prompt(i) for i in range(NUM_REQUESTS)], params, use_tqdm=False)
-    del llm
-    return [o.outputs[0].text for o in outs]
-
-
-@pytest.fixture(scope="module")
-def server(reference):  # after the reference: the two never load models at the same time
+def server(dp_reference):  # after the dp_reference: the two never load models at the same time
     srv = ServerProcess(
         "--data-parallel-size", "2", "--log-stats-interval-s", "0.2", *small_engine_flags(512)
     )
@@ -74,14 +58,6 @@ def _metrics(base: str) -> dict[str, float]:
     return out
 
 
-async def _complete(session, base: str, i: int) -> str:
-    body = {"model": MODEL, "prompt": _prompt(i), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
-    async with session.post(base + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        return (await resp.json())["choices"][0]["text"]
-
-
 async def _stream_then_drop(session, base: str, i: int) -> int:
     """A 480-token stream, dropped after 3 chunks; the number of chunks read."""
     body = {"model": MODEL, "prompt": _prompt(i), "max_tokens": 480, "temperature": 0,
@@ -100,7 +76,7 @@ async def _stream_then_drop(session, base: str, i: int) -> int:
     return chunks
 
 
-def test_concurrent_requests_match_one_engine_and_use_both_replicas(server, reference) -> None:
+def test_concurrent_requests_match_one_engine_and_use_both_replicas(server, dp_reference) -> None:
     async def run() -> list[str]:
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -110,7 +86,7 @@ def test_concurrent_requests_match_one_engine_and_use_both_replicas(server, refe
 
     texts = asyncio.run(run())
     for i, text in enumerate(texts):
-        assert text == reference[i], i
+        assert text == dp_reference[i], i
     # The front end logs the per-replica routed counts every 0.2 s while outputs flow; the
     # last line of the burst counts all of it.
     lines = ROUTED.findall(server.log())
@@ -120,7 +96,7 @@ def test_concurrent_requests_match_one_engine_and_use_both_replicas(server, refe
     assert min(routed) >= NUM_REQUESTS // 4, lines  # a burst is spread, not herded
 
 
-def test_dropped_streams_are_aborted_in_their_replica(server, reference) -> None:
+def test_dropped_streams_are_aborted_in_their_replica(server, dp_reference) -> None:
     before = _metrics(server.base)
 
     async def run() -> list[int]:
@@ -155,7 +131,7 @@ def test_dropped_streams_are_aborted_in_their_replica(server, reference) -> None
         async with aiohttp.ClientSession() as session:
             return await _complete(session, server.base, 2)
 
-    assert asyncio.run(one()) == reference[2]
+    assert asyncio.run(one()) == dp_reference[2]
 
 
 def _engine_pids(server_pid: int) -> list[int]:

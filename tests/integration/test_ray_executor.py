@@ -1,25 +1,16 @@
 """`RayDistributedExecutor` on a real Ray cluster: one started for this module with the
-`ray` CLI, on loopback, with 4 CPUs.
+`ray` CLI, on loopback, with 4 CPUs (the `ray_cluster` fixture in conftest.py).
 
 Greedy float32 outputs through Ray actors must equal the single-rank engine's token for
 token, as they do for the multi-process executor (tests/integration/test_executors.py); a
 killed actor must fail the engine within seconds; a missing cluster or missing CPUs must
 fail start-up with a clear error instead of hanging.
-
-`ray start` runs in a session of its own, which every daemon and worker of the cluster
-inherits; the teardown kills that session's processes by pid. (Not `ray stop --force`: it
-kills every Ray process on the machine, whoever started it.)
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
@@ -29,6 +20,7 @@ from pagedinfer.executor.base import ExecutorFailed
 from tests.integration.conftest import PARALLEL_ENGINE as SMALL
 from tests.integration.conftest import greedy_token_ids as _generate
 from tests.integration.conftest import kill_mid_generation
+from tests.integration.conftest import process_alive as _alive
 from tests.model.tiny import make_tiny_llama_dir
 
 pytestmark = pytest.mark.integration
@@ -42,91 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Live processes of session `sid` (field 6 of /proc/PID/stat)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
-        except OSError:  # gone
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def _stop_session(sid: int, timeout_s: float = 15.0) -> list[int]:
-    """SIGKILL session `sid`'s processes until none is left; those alive at the end."""
-    deadline = time.monotonic() + timeout_s
-    while (pids := _session_pids(sid)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
-    return _session_pids(sid)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A head node on 127.0.0.1; RAY_ADDRESS points this process at it."""
-    from ray._private import ray_constants
-
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    # Short: Ray's unix socket paths under it must stay below 108 characters.
-    temp_dir = tempfile.mkdtemp(prefix="pi-ray-", dir="/tmp")
-    address = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    # Ray replaces a loopback --node-ip-address with the host's routable IP (and listens
-    # there) unless clusters are limited to one machine, a switch meant for macOS and
-    # Windows. With it the whole cluster stays on 127.0.0.1.
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    cmd = [
-        ray_bin, "start", "--head", "--node-ip-address=127.0.0.1",
-        f"--port={address.rsplit(':', 1)[1]}", "--num-cpus=4", "--include-dashboard=false",
-        f"--object-store-memory={200 * 2**20}", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-    ]  # fmt: skip
-    started = time.monotonic()
-    # A new session (its id is `ray start`'s pid), inherited by everything the cluster runs.
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=temp_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=120)
-        if proc.returncode != 0:
-            pytest.fail(f"`ray start` failed ({proc.returncode}):\n{output}")
-        print(f"ray start: {time.monotonic() - started:.1f} s")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("RAY_ADDRESS", address)
-            mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            # The driver's copy of the switch (read when ray was imported).
-            mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-            yield address
-    finally:
-        # Each executor disconnects on shutdown; still connected means a Ray call came
-        # after that, and Ray's auto-init answered it by starting a local cluster.
-        stray = ray.is_initialized()
-        if stray:
-            ray.shutdown()  # stops that local cluster too
-        left = _stop_session(proc.pid)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not left, f"Ray processes left running: {left}"
-        assert not stray, "this process was connected to Ray after every executor shut down"
 
 
 def _assert_disconnected() -> None:

@@ -297,9 +297,16 @@ def test_a_dead_replica_kills_the_client_and_stops_the_others() -> None:
 # ------------------------------------------------------------------ where DP is refused
 
 
-def test_ray_backend_is_refused_before_anything_starts() -> None:
-    config = build_engine_config(data_parallel_size=2, data_parallel_backend="ray")
-    with pytest.raises(ValueError, match="ray DP arrives with the Ray executor"):
+def test_ray_replicas_refuse_ray_workers_before_anything_starts() -> None:
+    """Ray replicas hold their workers' CPUs in their own bundle; a Ray executor inside one
+    would reserve a second placement group (refused before any connection is made)."""
+    config = build_engine_config(
+        data_parallel_size=2,
+        data_parallel_backend="ray",
+        tensor_parallel_size=3,
+        distributed_executor_backend="ray",
+    )
+    with pytest.raises(ValueError, match="use distributed_executor_backend 'mp'"):
         DPAsyncMPClient(config)
 
 
