@@ -426,6 +426,21 @@ class GGUFFile:
         flat = dequantize(np.asarray(raw), info.ggml_type, info.num_elements)  # [num_elements]
         return flat.reshape(info.shape)
 
+    def load_tensor_rows(self, name: str, start: int, end: int) -> np.ndarray:
+        """Rows [start, end) of a 2-D tensor, dequantised to float32 `[end - start, cols]`.
+        A row is a whole number of blocks, so only those rows' bytes are read (a tensor
+        parallel rank loads its shard, not the matrix)."""
+        info = self.tensor_info(name)
+        _traits(info.ggml_type)
+        rows, cols = info.shape
+        if not 0 <= start <= end <= rows:
+            raise ValueError(f"{name}: rows [{start}, {end}) outside [0, {rows})")
+        row_bytes = info.num_bytes // rows
+        first = info.offset + start * row_bytes
+        raw = self._data[first : first + (end - start) * row_bytes]  # [bytes] uint8
+        flat = dequantize(np.asarray(raw), info.ggml_type, (end - start) * cols)
+        return flat.reshape(end - start, cols)
+
     def load_quant_blocks(self, name: str) -> QuantBlocks | None:
         """A Q4_0, Q4_1 or Q8_0 matrix as its raw codes and per-group scales (and offsets),
         without dequantising (see `model/quant.QuantBlocks`); None for any other type."""

@@ -24,7 +24,7 @@ layers (`get_pp_indices`); the first embeds, the others continue from the previo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -279,6 +279,22 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def shard_ranges(config: ModelArchConfig, shard: TPShard) -> dict[str, tuple[int, int]]:
+    """[start, end) of the rows (of q, k/v, gate/up, the vocabulary) or columns (of o_proj,
+    down_proj) of the full matrices that a tensor-parallel rank holds."""
+    hd = config.head_dim
+    q0 = shard.rank * shard.num_heads * hd
+    kv0 = shard.kv_head_start(config.num_key_value_heads) * hd
+    i0 = shard.rank * shard.intermediate_size
+    vocab_end = min(shard.vocab_start + shard.vocab_per_rank, config.vocab_size)
+    return {
+        "q": (q0, q0 + shard.num_heads * hd),
+        "kv": (kv0, kv0 + shard.num_kv_heads * hd),
+        "mlp": (i0, i0 + shard.intermediate_size),
+        "vocab": (shard.vocab_start, vocab_end),
+    }
+
+
 class VocabParallelEmbedding(nn.Module):
     """The embedding table's rows [vocab_start, vocab_start + vocab_per_rank) (zero rows past
     the vocabulary); ids outside the range look up zeros, and the all-reduce leaves each
@@ -460,26 +476,46 @@ class LlamaForCausalLM(nn.Module):
         how many were packed."""
         return sum(m.prepack(batch_hint) for m in self.modules() if isinstance(m, Linear))
 
+    @staticmethod
+    def load_plan(
+        config: ModelArchConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+    ) -> tuple[Callable[[str], bool], Callable[[str], tuple[int, int] | None]]:
+        """What one rank needs of the file, for `load_model_weights(wanted=, rows=)`: its
+        stage's layers (plus the embedding, norm and LM head where the stage uses them)
+        and, of the row-sharded matrices, its rows. `load_weights` cuts the rest (the
+        columns of o_proj and down_proj) and accepts whole or pre-cut matrices alike."""
+        shard = TPShard.of(config, tp_rank, tp_size)
+        ranges = shard_ranges(config, shard)
+        start, end = get_pp_indices(config.num_hidden_layers, pp_rank, pp_size)
+        first, last = pp_rank == 0, pp_rank == pp_size - 1
+        row_kind = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp",
+                    "up_proj": "mlp"}  # fmt: skip
+
+        def wanted(name: str) -> bool:
+            if name.startswith("model.layers."):
+                return start <= int(name.split(".")[2]) < end
+            if name == "model.embed_tokens.weight":
+                return first or (last and config.tie_word_embeddings)
+            return last  # the final norm and an untied LM head
+
+        def rows(name: str) -> tuple[int, int] | None:
+            if tp_size == 1:
+                return None
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                return ranges["vocab"]
+            kind = row_kind.get(name.rsplit(".", 2)[-2]) if name.endswith(".weight") else None
+            return ranges[kind] if kind is not None else None
+
+        return wanted, rows
+
     def _shard_ranges(self) -> dict[str, tuple[int, int]]:
-        """[start, end) of the rows (of q, k/v, gate/up) or columns (of o_proj, down_proj)
-        of the full matrices that this tensor-parallel rank holds."""
-        c, sh = self.config, self.shard
-        hd = c.head_dim
-        q0 = sh.rank * sh.num_heads * hd
-        kv0 = sh.kv_head_start(c.num_key_value_heads) * hd
-        i0 = sh.rank * sh.intermediate_size
-        return {
-            "q": (q0, q0 + sh.num_heads * hd),
-            "kv": (kv0, kv0 + sh.num_kv_heads * hd),
-            "mlp": (i0, i0 + sh.intermediate_size),
-            "vocab": (sh.vocab_start, min(sh.vocab_start + sh.vocab_per_rank, c.vocab_size)),
-        }
+        return shard_ranges(self.config, self.shard)
 
     def _vocab_slice(self, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary rows of a [vocab_size, hidden] matrix, zero-padded to
-        `vocab_per_rank` rows."""
+        """This rank's vocabulary rows of a [vocab_size, hidden] matrix (or of those rows
+        alone, as `load_plan` reads them), zero-padded to `vocab_per_rank` rows."""
         lo, hi = self._shard_ranges()["vocab"]
-        part = weight[lo:hi]
+        part = weight if weight.shape[0] == hi - lo else weight[lo:hi]
         missing = self.shard.vocab_per_rank - part.shape[0]
         return F.pad(part, (0, 0, 0, missing)) if missing else part
 
@@ -513,13 +549,21 @@ class LlamaForCausalLM(nn.Module):
 
         sd = state_dict
         r = self._shard_ranges()
-        q, kv, mlp = (slice(*r[k]) for k in ("q", "kv", "mlp"))
-        embed = sd.pop("model.embed_tokens.weight")
+
+        def rows(t: torch.Tensor, kind: str) -> torch.Tensor:
+            """This rank's rows of `t`, unless `load_plan` already read only those."""
+            lo, hi = r[kind]
+            return t if t.shape[0] == hi - lo else t[lo:hi]
+
+        q, mlp = slice(*r["q"]), slice(*r["mlp"])
+        embed = sd.pop("model.embed_tokens.weight", None)
         if self.embed_tokens is not None:
+            assert embed is not None, "model.embed_tokens.weight was not loaded"
             put("embed_tokens.weight", self._vocab_slice(embed))
         del embed
-        norm = sd.pop("model.norm.weight")
+        norm = sd.pop("model.norm.weight", None)
         if self.norm is not None:
+            assert norm is not None, "model.norm.weight was not loaded"
             put("norm.weight", norm)
         head = sd.pop("lm_head.weight", None)
         if self.lm_head is not None:
@@ -535,13 +579,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             m = f"layers.{i - self.layer_start}."
             qkv = [
-                sd.pop(p + "self_attn.q_proj.weight")[q],
-                sd.pop(p + "self_attn.k_proj.weight")[kv],
-                sd.pop(p + "self_attn.v_proj.weight")[kv],
+                rows(sd.pop(p + "self_attn.q_proj.weight"), "q"),
+                rows(sd.pop(p + "self_attn.k_proj.weight"), "kv"),
+                rows(sd.pop(p + "self_attn.v_proj.weight"), "kv"),
             ]
             put(m + "self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
             put(m + "self_attn.o_proj.weight", sd.pop(p + "self_attn.o_proj.weight")[:, q])
-            gate_up = [sd.pop(p + f"mlp.{n}_proj.weight")[mlp] for n in ("gate", "up")]
+            gate_up = [rows(sd.pop(p + f"mlp.{n}_proj.weight"), "mlp") for n in ("gate", "up")]
             put(m + "mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
             put(m + "mlp.down_proj.weight", sd.pop(p + "mlp.down_proj.weight")[:, mlp])
             put(m + "input_layernorm.weight", sd.pop(p + "input_layernorm.weight"))

