@@ -277,6 +277,7 @@ class Worker:
             "layers": [model.layer_start, model.layer_end],
             "num_heads": model.shard.num_heads,
             "num_kv_heads": model.shard.num_kv_heads,
+            "kv_head_start": model.shard.kv_head_start(model.config.num_key_value_heads),
             # Storage, not element counts: a shard that kept its whole matrix alive shows.
             "param_bytes": sum(
                 p.numel() * p.dtype.itemsize if p.is_mkldnn else p.untyped_storage().nbytes()

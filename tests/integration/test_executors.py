@@ -69,16 +69,35 @@ def test_pp2_equals_tp1(prompts, tp1_outputs):
     assert [tuple(i["layers"]) for i in infos] == [(0, 15), (15, 30)]
 
 
-def test_tiny_tp2_pp2_equals_single(tmp_path):
-    model = make_tiny_llama_dir(str(tmp_path / "tiny"))
-    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 11 * i)] for i in range(6)]
-    opts = {"dtype": "float32", "kv_cache_memory_bytes": 8 * 2**20, "max_model_len": 256}
-    with LLM(model, **opts) as llm:
-        expected = _generate(llm, prompts, 24)
-    with LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, **opts) as llm:
+TINY_PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 11 * i)] for i in range(6)]
+TINY_ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 8 * 2**20, "max_model_len": 256}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> tuple[str, list[list[int]]]:
+    """The tiny random model (4 query, 2 KV heads, 2 layers) and its single-rank outputs."""
+    model = make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny")))
+    with LLM(model, **TINY_ENGINE) as llm:
+        return model, _generate(llm, TINY_PROMPTS, 24)
+
+
+def test_tiny_tp2_pp2_equals_single(tiny_model):
+    model, expected = tiny_model
+    with LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, **TINY_ENGINE) as llm:
         infos = llm.llm_engine.engine_core.executor.collective_rpc("rank_info")
-        assert _generate(llm, prompts, 24) == expected
+        assert _generate(llm, TINY_PROMPTS, 24) == expected
     assert [(i["tp_rank"], i["pp_rank"]) for i in infos] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_tiny_tp4_replicates_kv_heads(tiny_model):
+    """More ranks than KV heads: each of the 2 KV heads is held by 2 ranks (vLLM's
+    replication), each rank one query head; outputs still equal the single rank's."""
+    model, expected = tiny_model
+    with LLM(model, tensor_parallel_size=4, **TINY_ENGINE) as llm:
+        infos = llm.llm_engine.engine_core.executor.collective_rpc("rank_info")
+        assert _generate(llm, TINY_PROMPTS, 24) == expected
+    assert [(i["num_heads"], i["num_kv_heads"]) for i in infos] == [(1, 1)] * 4
+    assert [i["kv_head_start"] for i in infos] == [0, 0, 1, 1]
 
 
 def test_sigkill_worker_fails_engine_fast():
