@@ -62,8 +62,8 @@ class Scheduler:
         pipeline_parallel_size: int = 1,
     ) -> None:
         self.config = scheduler_config
-        # Pipeline stages before the last never sample: they are sent each step's tokens.
-        self.send_token_ids = pipeline_parallel_size > 1
+        # Pipeline parallelism: stages before the last never sample, so they are sent each
+        # step's tokens, and the live requests are split over the batches in flight.
         self.pipeline_parallel_size = pipeline_parallel_size
         # Pipeline parallelism: requests in a batch still in the pipeline (the engine core
         # keeps this); a preempted one is not resumed until its old batch is back.
@@ -290,7 +290,7 @@ class Scheduler:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks_of[r.request_id]])
             cached.num_computed_tokens.append(r.num_computed_tokens)
-            if self.send_token_ids:
+            if self.pipeline_parallel_size > 1:
                 end = min(r.num_computed_tokens + ordered[r.request_id], r.num_tokens)
                 cached.new_token_ids.append(r.all_token_ids[r.num_computed_tokens : end])
         new_reqs = [

@@ -78,7 +78,7 @@ from pagedinfer.engine.core_client import (
     engine_core_actor_class,
 )
 from pagedinfer.engine.core_proc import UTILITY_METHODS, EngineCoreReady
-from pagedinfer.executor.ray_executor import _check_reachable, _connected
+from pagedinfer.executor.ray_executor import _connected, connect_to_cluster
 
 logger = logging.getLogger("pagedinfer")
 
@@ -201,25 +201,16 @@ class RayReplicaGroup:
 
     def __init__(self) -> None:
         try:
-            import ray
+            import ray  # noqa: F401 - fail early, with the install hint
         except ImportError as exc:
             raise ImportError(
                 "data_parallel_backend='ray' needs Ray: pip install 'ray==2.60.0'"
             ) from exc
         self.placement_group: Any = None
         self.actors: list[Any] = []
-        self._owns_ray_connection = False
-        address = os.environ.get("RAY_ADDRESS", "auto")
-        if not ray.is_initialized():  # else the caller connected already: use (and keep) it
-            if address == "local":
-                raise ValueError(
-                    "RAY_ADDRESS=local would start a Ray cluster inside this process; "
-                    "data_parallel_backend='ray' places the engine cores on an existing one: "
-                    "start one with `ray start --head`."
-                )
-            _check_reachable(address)
-            ray.init(address=address, logging_level=logging.WARNING)
-            self._owns_ray_connection = True
+        self._owns_ray_connection = connect_to_cluster(
+            "data_parallel_backend='ray' places the engine cores on"
+        )
 
     def start_replicas(
         self, config: EngineConfig, startup_timeout_s: float

@@ -244,15 +244,7 @@ class RayDistributedExecutor(Executor):
         import ray
 
         address = os.environ.get("RAY_ADDRESS", "auto")
-        if not ray.is_initialized():  # else the caller connected already: use (and keep) it
-            if address == "local":
-                raise ValueError(
-                    "RAY_ADDRESS=local would start a Ray cluster inside this process; the ray "
-                    "executor connects to an existing one: start one with `ray start --head`."
-                )
-            _check_reachable(address)
-            ray.init(address=address, logging_level=logging.WARNING)
-            self._owns_ray_connection = True
+        self._owns_ray_connection = connect_to_cluster("the ray executor connects to")
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         logger.info(
             "Ray cluster (%s): %d node(s) %s, %g CPUs (%g free).",
@@ -598,6 +590,26 @@ def _connected() -> bool:
     import ray
 
     return ray.is_initialized()
+
+
+def connect_to_cluster(who: str) -> bool:
+    """Connect this process to the existing Ray cluster `RAY_ADDRESS` names (default
+    "auto": the one `ray start` left on this machine), unless it is connected already.
+    Never starts a cluster. True if this call made the connection (its caller then
+    disconnects when done). `who`: for the error, e.g. "the ray executor connects to"."""
+    import ray
+
+    if ray.is_initialized():  # the caller connected already: use (and keep) it
+        return False
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    if address == "local":
+        raise ValueError(
+            f"RAY_ADDRESS=local would start a Ray cluster inside this process; {who} an "
+            "existing one: start one with `ray start --head`."
+        )
+    _check_reachable(address)
+    ray.init(address=address, logging_level=logging.WARNING)
+    return True
 
 
 def _check_reachable(address: str) -> None:
