@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run generate test lint bench clean
+.PHONY: setup run generate test lint bench clean redis-server
 
 setup: $(STAMP)
 
@@ -31,7 +31,13 @@ generate: setup
 	$(VENV)/bin/pagedinfer generate --prompts-file examples/prompts.txt --chat-template \
 		--max-tokens 96
 
-test: setup
+# The RedisConnector's tests start a real redis-server on loopback (Debian's package).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+redis-server:
+	@command -v redis-server >/dev/null || $(SUDO) apt-get install -y -q redis-server >/dev/null \
+		|| { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q redis-server >/dev/null; }
+
+test: setup redis-server
 	$(PY) -m pytest -q
 
 lint: setup

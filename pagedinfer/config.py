@@ -10,7 +10,7 @@ Nothing in this module reads the environment (that is `envs.py`'s job).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
@@ -23,6 +23,7 @@ __all__ = [
     "StructuredOutputsConfig",
     "SpeculativeConfig",
     "ParallelConfig",
+    "KVTransferConfig",
     "EngineConfig",
 ]
 
@@ -241,6 +242,52 @@ class ParallelConfig:
         return self
 
 
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+@dataclass(config=_FROZEN)
+class KVTransferConfig:
+    """`kv_transfer_config={...}` (`--kv-transfer-config JSON`): a KV connector moves KV
+    cache between engine instances, for disaggregated prefill/decode (prefill instances
+    produce KV, decode instances consume it) or a shared KV store (see
+    `distributed/kv_transfer/`)."""
+
+    kv_connector: str
+    """The connector class: "SharedStorageConnector" (a directory), "RedisConnector" (a
+    Redis server) or "ZmqConnector" (straight from a prefill to a decode instance over
+    TCP); or any class in `kv_connector_module_path`."""
+    kv_role: KVRole = "kv_both"
+    """"kv_producer" (a prefill instance: saves or serves KV, never loads), "kv_consumer"
+    (a decode instance: loads KV, never saves) or "kv_both"."""
+    engine_id: str | None = None
+    """This instance's name in transfer parameters; None: a random one at start."""
+    kv_ip: str = "127.0.0.1"
+    """ZmqConnector: the address a producer serves its KV on (and tells decode instances
+    to fetch from)."""
+    kv_port: int = Field(default=14579, ge=0, le=65535)
+    """ZmqConnector: the producer's TCP port; decode instances are told to pull from it,
+    so a producer needs a fixed one (not 0). Unused by consumers."""
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    """Connector-specific options: "shared_storage_path" (SharedStorageConnector),
+    "redis_url" (RedisConnector), "lease_timeout_s" (ZmqConnector), ..."""
+    kv_connector_module_path: str | None = None
+    """Import `kv_connector` from this module (an out-of-tree connector)."""
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """A missing, partial or corrupted KV load: compute the prompt locally instead
+    ("recompute"), or finish that request with an error ("fail")."""
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+
 @dataclass(config=_FROZEN)
 class EngineConfig:
     model_config: ModelConfig = Field(default_factory=ModelConfig)
@@ -252,6 +299,7 @@ class EngineConfig:
     )
     speculative_config: SpeculativeConfig | None = None
     parallel_config: ParallelConfig = Field(default_factory=ParallelConfig)
+    kv_transfer_config: KVTransferConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -274,6 +322,17 @@ class EngineConfig:
                 f"speculative method {spec.method!r} needs tensor and pipeline parallel size "
                 f"1 (ngram works with any)"
             )
+        if self.kv_transfer_config is not None and self.parallel_config.world_size > 1:
+            # The connectors move one rank's KV; gathering every rank's transfer status
+            # (vLLM's KVOutputAggregator) is not built yet.
+            raise ValueError("kv_transfer_config needs tensor and pipeline parallel size 1")
+        kv = self.kv_transfer_config
+        if kv is not None and kv.engine_id is None:
+            # Fixed here, once: the scheduler-side and worker-side connectors (and a config
+            # sent to another process) must agree on it.
+            import uuid
+
+            object.__setattr__(self, "kv_transfer_config", replace(kv, engine_id=uuid.uuid4().hex))
         if spec is not None and spec.method in ("eagle", "medusa") and spec.model is None:
             from pagedinfer.spec_decode.heads import default_heads_path
 

@@ -7,6 +7,7 @@ Built by `engine.output_processor.OutputProcessor` from the engine core's token-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Logprob", "CompletionOutput", "RequestOutput", "SampleLogprobs", "PromptLogprobs"]
 
@@ -56,7 +57,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache instead of being recomputed."""
+    """Prompt tokens not computed here: prefix-cache hits, plus KV loaded by a connector."""
+    num_external_cached_tokens: int = 0
+    """Of those, prompt tokens whose KV a KV connector loaded (disaggregated prefill)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Set on the finished output by a KV connector: what a decode instance needs to fetch
+    this prompt's KV (pass it as the decode request's `kv_transfer_params`)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Timings: arrival_time, first_token_time, finished_time (monotonic seconds)."""
 
@@ -83,4 +89,9 @@ class RequestOutput:
             self.prompt_logprobs = later.prompt_logprobs
         self.finished = later.finished
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        self.num_external_cached_tokens = max(
+            self.num_external_cached_tokens, later.num_external_cached_tokens
+        )
+        if later.kv_transfer_params is not None:
+            self.kv_transfer_params = later.kv_transfer_params
         self.metrics.update(later.metrics)

@@ -119,6 +119,9 @@ class ForwardContext:
 
     attn_metadata: Any
     kv_caches: list[torch.Tensor]
+    kv_connector: Any = None
+    """The worker's KV connector (distributed/kv_transfer/), whose per-layer hooks each
+    attention layer calls; None without one."""
 
 
 _forward_context: ForwardContext | None = None

@@ -91,19 +91,26 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request`.
 
-        Layout of the request: | computed | new_computed (prefix hit) | new | lookahead |.
-        Returns the newly allocated blocks, or None (and changes nothing) when the pool
-        does not have enough free blocks. Hit blocks that sit in the free queue count
-        against the free blocks: touching them takes them out of it.
+        Layout of the request:
+            | computed | new_computed (prefix hit) | external | new | lookahead |.
+        External tokens are those a KV connector loads (fresh blocks, filled by the
+        worker). Returns the newly allocated blocks, or None (and changes nothing) when the
+        pool does not have enough free blocks. Hit blocks that sit in the free queue count
+        against the free blocks: touching them takes them out of it. `delay_cache_blocks`:
+        do not enter the blocks in the prefix cache yet (their KV is still being loaded, or
+        may turn out invalid); a later `cache_blocks` does.
         """
-        if num_new_tokens <= 0:
+        if num_new_tokens <= 0 and num_external_computed_tokens <= 0:
             raise ValueError("num_new_tokens must be greater than 0")
         new_computed_blocks = new_computed_blocks or []
         num_computed = min(
-            request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens,
+            self.max_model_len,
         )
         num_needed = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         held = self.req_to_blocks.get(request.request_id, [])
@@ -120,7 +127,7 @@ class KVCacheManager:
             self.num_cached_block[request.request_id] = len(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_to_allocate) if num_to_allocate > 0 else []
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Tokens scheduled now count as computed for caching (vLLM does the same): a
             # later request in this very step reads them after this step's KV writes.
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import msgspec
 
@@ -19,6 +20,7 @@ __all__ = [
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "FinishReason",
+    "KVTransferStats",
     "LogprobsLists",
     "SchedulerStats",
     "SpecDecodingStats",
@@ -72,6 +74,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    """Prompt tokens not computed here: local prefix-cache hits plus external ones."""
+    num_external_cached_tokens: int = 0
+    """Of those, tokens whose KV a KV connector loaded (disaggregated prefill)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Set when the request finishes, by its KV connector (e.g. where a decode instance
+    fetches the prompt's KV from)."""
 
     @property
     def finished(self) -> bool:
@@ -132,6 +140,35 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
         return out
 
 
+class KVTransferStats(msgspec.Struct, omit_defaults=True):
+    """KV connector transfers (of one interval, or summed)."""
+
+    num_loaded_tokens: int = 0
+    num_loaded_bytes: int = 0
+    load_time_s: float = 0.0
+    num_saved_tokens: int = 0
+    num_saved_bytes: int = 0
+    save_time_s: float = 0.0
+    num_failed_loads: int = 0
+    """Requests whose loaded KV was missing, partial or corrupted."""
+
+    def observe(self, output: Any) -> None:
+        """Add a worker's `KVConnectorOutput` counters."""
+        self.num_loaded_tokens += output.num_loaded_tokens
+        self.num_loaded_bytes += output.num_loaded_bytes
+        self.load_time_s += output.load_time_s
+        self.num_saved_tokens += output.num_saved_tokens
+        self.num_saved_bytes += output.num_saved_bytes
+        self.save_time_s += output.save_time_s
+
+    def add(self, other: KVTransferStats) -> None:
+        for name in self.__struct_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def is_empty(self) -> bool:
+        return not any(getattr(self, name) for name in self.__struct_fields__)
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """A snapshot of the scheduler after one step (for logging and `LLM.get_stats()`)."""
 
@@ -149,6 +186,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_reset: bool = False
     spec_decoding: SpecDecodingStats | None = None
     """Drafts verified during this step (None without speculative decoding)."""
+    kv_transfer: KVTransferStats | None = None
+    """KV connector transfers since the last stats (None without any)."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedinfer.core.messages import EngineCoreRequest, FinishReason
 from pagedinfer.sampling_params import SamplingParams
@@ -88,6 +88,10 @@ class Request:
         # Prefix-cache hit length at first schedule (-1 until then).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # KV connectors: tokens loaded from outside at first schedule, and whether a load
+        # failed (the prompt is then computed locally, without asking the connector again).
+        self.num_external_computed_tokens = 0
+        self.kv_load_failed = False
         self.spec_token_ids: list[int] = []
         # Guided decoding: the grammar being compiled / in use (structured_output/manager.py).
         self.structured_output_request: StructuredOutputRequest | None = None
@@ -129,6 +133,13 @@ class Request:
     def skip_reading_prefix_cache(self) -> bool:
         """Prompt logprobs need every prompt position computed: no cache hits (as vLLM)."""
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """The client's KV transfer parameters (disaggregated prefill), as vLLM carries
+        them: `sampling_params.extra_args["kv_transfer_params"]`."""
+        extra = self.sampling_params.extra_args
+        return None if extra is None else extra.get("kv_transfer_params")
 
     @property
     def num_tokens(self) -> int:

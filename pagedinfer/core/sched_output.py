@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 # Imported at run time: the executor decodes these dataclasses by their annotations.
 from pagedinfer.core.messages import LogprobsLists
+from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -87,8 +88,8 @@ class SchedulerOutput:
     """Requests finished (or aborted) since the previous step: workers drop their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted in this step: workers drop their state (they come back as new)."""
-    kv_connector_metadata: object | None = None
-    """Opaque per-step data for a KV connector (disaggregated prefill); None without one."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """This step's KV transfers (distributed/kv_transfer/); None without a connector."""
 
 
 @dataclass
@@ -104,6 +105,8 @@ class ModelRunnerOutput:
     """req_id -> logprobs of the prompt positions computed this step."""
     draft_token_ids: dict[str, list[int]] | None = None
     """Speculative decoding: req_id -> the drafts proposed for the next step."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """What the worker's KV connector finished or failed (None without a connector)."""
     _row_starts: list[int] | None = field(default=None, repr=False, compare=False)
 
     def logprobs_row_of(self, index: int) -> int:

@@ -22,8 +22,9 @@ Called by `engine.core.EngineCore`; pure Python, no torch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedinfer.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedinfer.core.block_pool import KVCacheBlock
@@ -31,6 +32,7 @@ from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    KVTransferStats,
     LogprobsLists,
     SchedulerStats,
     SpecDecodingStats,
@@ -45,7 +47,11 @@ from pagedinfer.core.sched_output import (
 )
 from pagedinfer.core.trace import StepTracer
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
+    from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
+    from pagedinfer.distributed.kv_transfer.metadata import KVConnectorOutput
     from pagedinfer.structured_output.manager import StructuredOutputManager
 
 __all__ = ["Scheduler", "check_stop"]
@@ -60,6 +66,8 @@ class Scheduler:
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
         pipeline_parallel_size: int = 1,
+        kv_connector: KVConnectorBase | None = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         self.config = scheduler_config
         # Pipeline parallelism: stages before the last never sample, so they are sent each
@@ -99,11 +107,21 @@ class Scheduler:
         self._spec_stats: SpecDecodingStats | None = (
             SpecDecodingStats() if speculative_config is not None else None
         )
+        # KV transfer (disaggregated prefill, distributed/kv_transfer/): the scheduler-side
+        # connector, requests whose asynchronous load finished, finished requests whose
+        # blocks are held for a remote reader, and the transfer counters of this interval.
+        self.connector = kv_connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.held_requests: dict[str, Request] = {}
+        self._kv_stats: KVTransferStats | None = (
+            KVTransferStats() if kv_connector is not None else None
+        )
 
     # ------------------------------------------------------------------ requests in/out
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held_requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -130,11 +148,29 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
-    def _free_request(self, request: Request) -> None:
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks held for a remote reader, or loads in flight: the workers must keep being
+        polled (`get_finished`) even with nothing to compute."""
+        return bool(self.held_requests) or any(
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting
+        )
+
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Free a finished request's blocks, unless its KV connector holds them for a
+        remote reader; returns the connector's `kv_transfer_params` for the client."""
         assert request.is_finished()
-        self.kv_cache_manager.free(request)
+        hold, params = False, None
+        if self.connector is not None:
+            hold, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)
+            )
+        if hold:
+            self.held_requests[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return params
 
     # ------------------------------------------------------------------------ schedule
 
@@ -227,6 +263,12 @@ class Scheduler:
                 if request.request_id in self.in_flight:
                     skipped.append(self.waiting.pop())
                     continue
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if request.request_id not in self.finished_recving_kv_req_ids:
+                        skipped.append(self.waiting.pop())
+                        continue
+                    if not self._remote_kvs_arrived(request):
+                        continue  # the load failed and the policy failed the request
                 if request.status == RequestStatus.WAITING_FOR_FSM:
                     so = request.structured_output_request
                     assert so is not None
@@ -243,27 +285,59 @@ class Scheduler:
                     self.waiting.prepend(request)
                 computed_blocks: list[KVCacheBlock] = []
                 num_computed = request.num_computed_tokens
+                num_local = num_external = 0
+                load_async = False
                 if num_computed == 0:
-                    computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
-                        request
-                    )
-                num_new_tokens = request.num_tokens - num_computed
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
+                    computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                    if self.connector is not None and not request.kv_load_failed:
+                        num_ext, load_async = self.connector.get_num_new_matched_tokens(
+                            request, num_local
+                        )
+                        if num_ext is None:  # the connector cannot tell yet
+                            skipped.append(self.waiting.pop())
+                            continue
+                        # At least the last token is computed here (its logits are needed).
+                        num_external = min(num_ext, request.num_tokens - 1 - num_local)
+                        if load_async and num_external <= 0:
+                            load_async, num_external = False, 0
+                    num_computed = num_local + num_external
+                if load_async:
+                    num_new_tokens = 0  # only the external tokens' slots, for the load
+                else:
+                    num_new_tokens = request.num_tokens - num_computed
+                    if 0 < threshold < num_new_tokens:
+                        num_new_tokens = threshold
+                    if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
+                        break
+                    num_new_tokens = min(num_new_tokens, token_budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
                     num_new_tokens,
-                    num_new_computed_tokens=num_computed - request.num_computed_tokens,
+                    num_new_computed_tokens=num_local,
                     new_computed_blocks=computed_blocks,
-                    num_lookahead_tokens=self.num_lookahead_tokens,
+                    num_lookahead_tokens=0 if load_async else self.num_lookahead_tokens,
+                    num_external_computed_tokens=num_external,
+                    # Loaded KV is entered in the prefix cache only once it proved valid.
+                    delay_cache_blocks=num_external > 0,
                 )
                 if new_blocks is None:
                     break
-                new_blocks_of[request.request_id] = new_blocks  # fresh ones; hits in "cached"
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, self.kv_cache_manager.get_block_ids(request.request_id),
+                        num_external,
+                    )  # fmt: skip
+                    if num_external:
+                        request.num_external_computed_tokens = num_external
                 self.waiting.pop()
+                if load_async:
+                    # The worker loads the KV over the next steps; the request waits, its
+                    # prefix counted as computed once the load is reported finished.
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    request.num_computed_tokens = num_computed
+                    skipped.append(request)
+                    continue
+                new_blocks_of[request.request_id] = new_blocks  # fresh ones; hits in "cached"
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed
@@ -306,6 +380,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
         )
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         # A new set, not .clear(): the output keeps a reference to the old one.
         self.finished_req_ids = set()
         if self.tracer is not None:
@@ -315,6 +391,86 @@ class Scheduler:
             request.num_computed_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
         return output
+
+    def _remote_kvs_arrived(self, request: Request) -> bool:
+        """The asynchronous load of a waiting request finished: enter the loaded blocks in
+        the prefix cache and make it schedulable. After a failed load (see
+        `_handle_invalid_blocks`) the request starts over and computes its prompt."""
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        if request.kv_load_failed:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.num_external_computed_tokens = 0
+        else:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = (
+            RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        )
+        return True
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
+        """Blocks whose KV load failed (missing, partial or corrupted): the requests that
+        loaded them recompute their prompt without the connector (`kv_load_failure_policy`
+        "recompute") or finish with an error ("fail"). Returns the requests whose output of
+        this step must be dropped (it was computed on the bad KV)."""
+        dropped: set[str] = set()
+        for req_id, request in list(self.requests.items()):
+            if request.num_external_computed_tokens == 0 or request.kv_load_failed:
+                continue
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            if invalid_block_ids.isdisjoint(block_ids):
+                continue
+            request.kv_load_failed = True
+            dropped.add(req_id)
+            if self._kv_stats is not None:
+                self._kv_stats.num_failed_loads += 1
+            logger.warning(
+                "KV load failed for request %s (%d external tokens): %s.", req_id,
+                request.num_external_computed_tokens,
+                "finishing it with an error" if self.kv_load_failure_policy == "fail"
+                else "recomputing its prompt",
+            )  # fmt: skip
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif self.kv_load_failure_policy == "recompute":
+                continue  # WAITING_FOR_REMOTE_KVS: restarts when its load is reported done
+            else:
+                self.waiting.remove(request)
+            if self.kv_load_failure_policy == "fail":
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = "KV transfer failed: the loaded KV cache was invalid"
+                self._finished_waiting.append(request)
+                continue
+            # Start over: drop the blocks (the bad ones were never entered in the prefix
+            # cache; the good local hits are found again) and compute the prompt.
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.num_external_computed_tokens = 0
+            request.num_cached_tokens = -1
+            request.spec_token_ids = []
+            request.status = (
+                RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            )
+            self.waiting.prepend(request)
+        return dropped
+
+    def _update_from_kv_xfer_finished(self, kv_output: KVConnectorOutput) -> None:
+        """Finished loads make their requests schedulable; finished sends release held
+        blocks. A request finished (aborted) while its load was in flight is held by its
+        connector until the load ends: its blocks are still being written."""
+        for req_id in kv_output.finished_recving:
+            if req_id in self.requests:
+                self.finished_recving_kv_req_ids.add(req_id)
+            elif (request := self.held_requests.pop(req_id, None)) is not None:
+                self.kv_cache_manager.free(request)
+        for req_id in kv_output.finished_sending:
+            request = self.held_requests.pop(req_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        if self._kv_stats is not None:
+            self._kv_stats.observe(kv_output)
+        assert self.connector is not None
+        self.connector.update_connector_output(kv_output)
 
     def _trace_scheduled(
         self,
@@ -361,10 +517,14 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         logprobs = runner_output.logprobs
+        kv_output = runner_output.kv_connector_output
+        dropped: set[str] = set()
+        if kv_output is not None and kv_output.invalid_block_ids:
+            dropped = self._handle_invalid_blocks(set(kv_output.invalid_block_ids))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
+            if request is None or request.is_finished() or req_id in dropped:
+                continue  # aborted while the step ran, or computed on KV that failed to load
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted while its (pipelined) batch ran: recomputed later
             req_index = runner_output.req_id_to_index[req_id]
@@ -412,6 +572,7 @@ class Scheduler:
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_external_cached_tokens=request.num_external_computed_tokens,
                 )
             )
             if request.is_finished():
@@ -426,16 +587,19 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                 )
             )
-            self.kv_cache_manager.free(request)
-            self.finished_req_ids.add(request.request_id)
-            del self.requests[request.request_id]
+            self._free_request(request)
         self._finished_waiting = []
 
         if stopped:
             stopped_ids = {r.request_id for r in stopped}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            output_of = {o.request_id: o for o in outputs}
             for request in stopped:
-                self._free_request(request)
+                params = self._free_request(request)
+                if params is not None:
+                    output_of[request.request_id].kv_transfer_params = params
+        if kv_output is not None:
+            self._update_from_kv_xfer_finished(kv_output)
         if runner_output.draft_token_ids:
             self.update_draft_token_ids(runner_output.draft_token_ids)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
@@ -470,7 +634,15 @@ class Scheduler:
             prefix_cache_hits=prefix.hits if prefix else 0,
             prefix_cache_reset=prefix.reset if prefix else False,
             spec_decoding=self._take_spec_stats(),
+            kv_transfer=self._take_kv_stats(),
         )
+
+    def _take_kv_stats(self) -> KVTransferStats | None:
+        stats = self._kv_stats
+        if stats is None or stats.is_empty():
+            return None
+        self._kv_stats = KVTransferStats()
+        return stats
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:
         """The drafts verified since the last call (and start counting anew)."""

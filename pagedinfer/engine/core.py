@@ -29,6 +29,8 @@ from pagedinfer.core.sched_output import (
 )
 from pagedinfer.core.scheduler import Scheduler
 from pagedinfer.core.trace import StepTracer
+from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
+from pagedinfer.distributed.kv_transfer.factory import create_connector
 from pagedinfer.executor.base import Executor, ModelInfo
 
 logger = logging.getLogger("pagedinfer")
@@ -55,6 +57,8 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(info)
         block_size = config.cache_config.block_size
         self.executor.initialize_cache(info.num_kv_blocks)
+        self.kv_connector = create_connector(config, KVConnectorRole.SCHEDULER)
+        kv_config = config.kv_transfer_config
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -62,7 +66,16 @@ class EngineCore:
             max_model_len=self.max_model_len,
             speculative_config=config.speculative_config,
             pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
+            kv_connector=self.kv_connector,
+            kv_load_failure_policy=(
+                kv_config.kv_load_failure_policy if kv_config is not None else "recompute"
+            ),
         )
+        if kv_config is not None:
+            logger.info(
+                "KV transfer: %s as %s (engine %s).",
+                kv_config.kv_connector, kv_config.kv_role, kv_config.engine_id,
+            )  # fmt: skip
         # Pipeline parallelism: up to one batch per stage in flight (step_with_batch_queue).
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
@@ -157,6 +170,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Held blocks or loads in flight: a busy loop keeps stepping (the workers report
+        finished transfers only when stepped), even with no unfinished request."""
+        return self.kv_connector is not None and self.scheduler.has_pending_kv_transfers()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()
@@ -180,9 +198,26 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and not self.has_pending_kv_transfers():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0 and self.kv_connector is not None:
+            # Nothing to compute, but loads may start and transfers finish: the workers
+            # run the connector's step anyway.
+            runner_output = self.executor.execute_model(scheduler_output)
+            assert runner_output is not None
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            kv_output = runner_output.kv_connector_output
+            self._stats_dirty = True
+            if not outputs.outputs and (kv_output is None or kv_output.is_empty()):
+                if self.scheduler.has_unfinished_requests():
+                    time.sleep(0.001)  # requests waiting for their loads
+                else:
+                    # Only blocks held for a remote reader: poll slower, and report nothing
+                    # (nothing was scheduled or looked up, nothing changed).
+                    time.sleep(0.01)
+                    return EngineCoreOutputs()
+            return outputs
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Only requests whose grammar is still compiling (or that just failed): nothing
             # to run. Yield the CPU to the compile threads instead of spinning.
@@ -248,6 +283,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.tracer is not None:
             self.tracer.close()
         self.executor.shutdown()

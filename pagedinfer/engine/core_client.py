@@ -563,7 +563,7 @@ class InprocClient(EngineCoreClient):
             if self.is_dead:
                 raise EngineDeadError(self._dead_reason)
             self._apply_inputs()
-            if self.core.has_unfinished_requests():
+            if self.core.has_unfinished_requests() or self.core.has_pending_kv_transfers():
                 try:
                     outputs = await asyncio.to_thread(self.core.step)
                 except Exception as exc:

@@ -149,7 +149,7 @@ class EngineCoreProc(EngineCore):
 
     def run_busy_loop(self) -> None:
         while not self._shutdown:
-            if not self.has_unfinished_requests():
+            if not self.has_unfinished_requests() and not self.has_pending_kv_transfers():
                 if (idle := self.idle_outputs()) is not None:
                     self.output_queue.put((OutputKind.OUTPUTS, idle))
                 self._handle_input(*self.input_queue.get())  # idle: block for work

@@ -13,8 +13,15 @@ import logging
 import time
 from collections.abc import Iterable
 
+import msgspec
+
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.messages import EngineCoreRequest, SchedulerStats, SpecDecodingStats
+from pagedinfer.core.messages import (
+    EngineCoreRequest,
+    KVTransferStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from pagedinfer.engine.core import EngineCore
 from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
@@ -58,9 +65,15 @@ class EngineStats:
         # Speculative decoding: since start, and since the last log line.
         self.spec_decoding: SpecDecodingStats | None = None
         self._spec_since_log: SpecDecodingStats | None = None
+        # KV connector transfers since start (None without any).
+        self.kv_transfer: KVTransferStats | None = None
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         self.scheduler = stats
+        if stats.kv_transfer is not None:
+            if self.kv_transfer is None:
+                self.kv_transfer = KVTransferStats()
+            self.kv_transfer.add(stats.kv_transfer)
         if stats.spec_decoding is not None:
             if self.spec_decoding is None:
                 self.spec_decoding = SpecDecodingStats()
@@ -105,6 +118,11 @@ class EngineStats:
             **(
                 self.spec_decoding.summary(self.num_speculative_tokens)
                 if self.spec_decoding is not None
+                else {}
+            ),
+            **(
+                {f"kv_{k}": v for k, v in msgspec.structs.asdict(self.kv_transfer).items()}
+                if self.kv_transfer is not None
                 else {}
             ),
         }

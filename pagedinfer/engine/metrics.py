@@ -161,6 +161,20 @@ class PrometheusStatLogger(StatLogger):
             "Draft tokens accepted, by position in the draft.",
             ("position",),
         )
+        # KV connectors (disaggregated prefill): what was loaded into and saved from the
+        # paged cache, and loads that failed (their prompts were recomputed or failed).
+        self.kv_transfer_counters = {
+            name: counter(f"kv_transfer_{name}", doc)
+            for name, doc in (
+                ("num_loaded_tokens", "Prompt tokens whose KV a KV connector loaded."),
+                ("num_loaded_bytes", "Bytes of KV a KV connector loaded."),
+                ("load_time_s", "Seconds spent loading KV."),
+                ("num_saved_tokens", "Prompt tokens whose KV a KV connector saved."),
+                ("num_saved_bytes", "Bytes of KV a KV connector saved."),
+                ("save_time_s", "Seconds spent saving KV."),
+                ("num_failed_loads", "Requests whose KV load failed."),
+            )
+        }
         self.model_name = model_name
         for reason in ("stop", "length", "abort", "error"):  # every series exists from start
             self.request_success.labels(model_name, reason)
@@ -192,6 +206,10 @@ class PrometheusStatLogger(StatLogger):
                 self.spec_decode_num_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
                 for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
                     self.spec_decode_num_accepted_tokens_per_pos.labels(name, str(pos)).inc(n)
+            if s.kv_transfer is not None:
+                for field, metric in self.kv_transfer_counters.items():
+                    if value := getattr(s.kv_transfer, field):
+                        metric.labels(name).inc(value)
         if iteration_stats is None:
             return
         it = iteration_stats

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -87,6 +87,8 @@ class ParentRequest:
         self.queue: OutputQueue | None = None
         self.first_token_time: float | None = None
         self.num_cached_tokens = 0
+        self.num_external_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.prompt_logprobs: PromptLogprobs | None = None
         self._prompt_logprobs_sent = False
         self._unfinished: set[int] = set(range(self.n))
@@ -146,6 +148,8 @@ class ParentRequest:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            num_external_cached_tokens=self.num_external_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
             metrics=_metrics(self.arrival_time, self.first_token_time, now if finished else None),
         )
 
@@ -194,6 +198,8 @@ class RequestState:
         self.last_token_time = 0.0
         self.num_generation_tokens = 0
         self.num_cached_tokens = 0
+        self.num_external_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_request(token_text, request)
 
@@ -245,6 +251,8 @@ class RequestState:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            num_external_cached_tokens=self.num_external_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
             metrics=_metrics(self.arrival_time, self.first_token_time, now if finished else None),
         )
 
@@ -352,6 +360,9 @@ class OutputProcessor:
             num_generation_tokens += len(new_token_ids)
             if output.num_cached_tokens:
                 state.num_cached_tokens = output.num_cached_tokens
+                state.num_external_cached_tokens = output.num_external_cached_tokens
+            if output.kv_transfer_params is not None:
+                state.kv_transfer_params = output.kv_transfer_params
             if new_token_ids:
                 if iteration_stats is not None:
                     iteration_stats.num_generation_tokens += len(new_token_ids)
@@ -445,6 +456,11 @@ class OutputProcessor:
         if state.first_token_time is not None and parent.first_token_time is None:
             parent.first_token_time = state.first_token_time
         parent.num_cached_tokens = max(parent.num_cached_tokens, state.num_cached_tokens)
+        parent.num_external_cached_tokens = max(
+            parent.num_external_cached_tokens, state.num_external_cached_tokens
+        )
+        if parent.kv_transfer_params is None:
+            parent.kv_transfer_params = state.kv_transfer_params
         if parent.prompt_logprobs is None and state.logprobs_processor.prompt_logprobs:
             parent.prompt_logprobs = state.logprobs_processor.prompt_logprobs
 

@@ -70,14 +70,22 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                 )
     group.add_argument(
         "--speculative-config",
-        type=_speculative_config,
+        type=_json_object,
         default=None,
         help='Speculative decoding, as JSON: {"method": "ngram"|"draft_model"|"eagle"|'
         '"medusa", "num_speculative_tokens": k, ...} (see SpeculativeConfig; default: off)',
     )
+    group.add_argument(
+        "--kv-transfer-config",
+        type=_json_object,
+        default=None,
+        help='KV transfer between instances (disaggregated prefill), as JSON: {"kv_connector": '
+        '"SharedStorageConnector"|"RedisConnector"|"ZmqConnector", "kv_role": "kv_producer"|'
+        '"kv_consumer"|"kv_both", ...} (see KVTransferConfig; default: off)',
+    )
 
 
-def _speculative_config(text: str) -> dict[str, Any]:
+def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -88,7 +96,11 @@ def _speculative_config(text: str) -> dict[str, Any]:
 
 
 def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": ns.model, "speculative_config": ns.speculative_config}
+    out: dict[str, Any] = {
+        "model": ns.model,
+        "speculative_config": ns.speculative_config,
+        "kv_transfer_config": ns.kv_transfer_config,
+    }
     for cls in _ENGINE_SECTIONS:
         for f in dataclasses.fields(cls):
             if f.name != "model":
@@ -176,6 +188,47 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="Model name in the API (default: the file's)."
     )
     _add_engine_args(serve)
+
+    proxy = sub.add_parser(
+        "disagg-proxy",
+        help="Disaggregated prefill/decode proxy in front of `pagedinfer serve` instances.",
+    )
+    proxy.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="Base URLs of the prefill instances (e.g. http://127.0.0.1:8100).",
+    )
+    proxy.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="Base URLs of the decode instances (e.g. http://127.0.0.1:8200).",
+    )
+    proxy.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    proxy.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    proxy.add_argument(
+        "--policy",
+        choices=["round_robin", "least_loaded"],
+        default="round_robin",
+        help="How an instance is picked in each pool: rotation, or fewest requests in flight "
+        "from this proxy (default: round_robin).",
+    )
+    proxy.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="Bound on each upstream call; for a streamed decode, on the wait for its headers "
+        "and each gap between chunks (default: 600).",
+    )
+    proxy.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=5.0,
+        help="Bound on connecting to an upstream (and on each /health probe) (default: 5).",
+    )
 
     trace = sub.add_parser(
         "trace", help="Render an engine trace (LLM(trace_path=...)) as an HTML timeline."
@@ -395,12 +448,28 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def _cmd_disagg_proxy(ns: argparse.Namespace) -> int:
+    from pagedinfer.entrypoints.disagg_proxy import run_proxy
+
+    return run_proxy(
+        ns.prefill,
+        ns.decode,
+        host=ns.host,
+        port=ns.port,
+        policy=ns.policy,
+        request_timeout_s=ns.request_timeout_s,
+        connect_timeout_s=ns.connect_timeout_s,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "generate":
         return _cmd_generate(ns)
     if ns.command == "serve":
         return _cmd_serve(ns)
+    if ns.command == "disagg-proxy":
+        return _cmd_disagg_proxy(ns)
     if ns.command == "trace":
         return _cmd_trace(ns)
     if ns.command == "train-draft":

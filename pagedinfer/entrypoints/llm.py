@@ -22,6 +22,7 @@ from tqdm import tqdm
 from pagedinfer.config import (
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -51,13 +52,19 @@ _SECTIONS = (
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
     """Route flat keyword options to the config section that declares them;
-    `speculative_config` is a dict (or a `SpeculativeConfig`), as in vLLM."""
+    `speculative_config` and `kv_transfer_config` are dicts (or their config classes), as
+    in vLLM."""
     sections: dict[str, dict[str, Any]] = {name: {} for name, _ in _SECTIONS}
     spec = kwargs.pop("speculative_config", None)
     if isinstance(spec, dict):
         spec = SpeculativeConfig(**spec)
     elif spec is not None and not isinstance(spec, SpeculativeConfig):
         raise TypeError("speculative_config must be a dict or a SpeculativeConfig")
+    kv = kwargs.pop("kv_transfer_config", None)
+    if isinstance(kv, dict):
+        kv = KVTransferConfig(**kv)
+    elif kv is not None and not isinstance(kv, KVTransferConfig):
+        raise TypeError("kv_transfer_config must be a dict or a KVTransferConfig")
     for key, value in kwargs.items():
         for name, cls in _SECTIONS:
             if key in {f.name for f in dataclasses.fields(cls)}:
@@ -66,7 +73,9 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         else:
             raise TypeError(f"Unknown engine option {key!r}.")
     return EngineConfig(
-        **{name: cls(**sections[name]) for name, cls in _SECTIONS}, speculative_config=spec
+        **{name: cls(**sections[name]) for name, cls in _SECTIONS},
+        speculative_config=spec,
+        kv_transfer_config=kv,
     )
 
 

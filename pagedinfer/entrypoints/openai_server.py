@@ -108,6 +108,9 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Disaggregated prefill (vLLM's field): to a prefill instance {"do_remote_decode":
+    # true}; to a decode instance, what the prefill instance's response carried.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         given = {
@@ -168,6 +171,11 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=self.structured_outputs_params(),
+            extra_args=(
+                {"kv_transfer_params": self.kv_transfer_params}
+                if self.kv_transfer_params is not None
+                else None
+            ),
         )
 
 
@@ -262,13 +270,28 @@ def _chat_text(content: str | list[dict[str, Any]] | None) -> str:
     return "\n".join(parts)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+def _usage(
+    prompt_tokens: int, completion_tokens: int, cached: int, external: int = 0
+) -> dict[str, Any]:
+    """OpenAI usage. `cached`: prompt tokens not computed here (prefix-cache hits and KV a
+    connector loaded); `external` (only shown when non-zero): of those, the loaded ones."""
+    details: dict[str, int] = {"cached_tokens": cached}
+    if external:
+        details["external_cached_tokens"] = external
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
+
+
+def _with_kv_transfer_params(response: dict[str, Any], params: dict[str, Any] | None):
+    """A KV connector's parameters for the next instance (disaggregated prefill), at the
+    top level of the response as in vLLM; absent when there are none."""
+    if params is not None:
+        response["kv_transfer_params"] = params
+    return response
 
 
 def _completion_logprobs(c: CompletionOutput, tokenizer, offset0: int = 0) -> dict[str, Any] | None:
@@ -494,10 +517,11 @@ def build_app(
             return _error(503, _dead_message(exc))
         if (failed := _failure(results)) is not None:
             return _error(400, failed)
-        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        choices, prompt_tokens, completion_tokens, cached, external = [], 0, 0, 0, 0
         for i, res in enumerate(results):
             prompt_tokens += len(res.prompt_token_ids)
             cached += res.num_cached_tokens
+            external += res.num_external_cached_tokens
             prefix = (res.prompt or tokenizer.decode(res.prompt_token_ids)) if body.echo else ""
             for c in res.outputs:
                 completion_tokens += len(c.token_ids)
@@ -510,14 +534,18 @@ def build_app(
                         "stop_reason": c.stop_reason,
                     }
                 )
-        return {
+        response = {
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens, cached),
+            "usage": _usage(prompt_tokens, completion_tokens, cached, external),
         }
+        # One prompt per request in disaggregated serving (the proxy sends one).
+        return _with_kv_transfer_params(
+            response, results[0].kv_transfer_params if len(results) == 1 else None
+        )
 
     async def _sse(first, gen, request_id: str, obj: str, created_at: int, usage: bool, choice):
         """SSE stream of `first` and the rest of `gen`: one chunk per output, each choice
@@ -622,16 +650,20 @@ def build_app(
             for c in final.outputs
         ]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {
+        response = {
             "id": request_id,
             "object": "chat.completion",
             "created": created_at,
             "model": model_name,
             "choices": choices,
             "usage": _usage(
-                len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens
+                len(final.prompt_token_ids),
+                completion_tokens,
+                final.num_cached_tokens,
+                final.num_external_cached_tokens,
             ),
         }
+        return _with_kv_transfer_params(response, final.kv_transfer_params)
 
     def _stream_chat(first, gen, request_id, body: ChatCompletionRequest, created_at, top_n):
         started: set[int] = set()

@@ -50,6 +50,9 @@ class UniProcExecutor(Executor):
     def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
         return self.worker.sample_tokens(grammar_output)
 
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """`method` of the worker (the whitelist the process executors accept)."""
         from pagedinfer.executor.messages import WORKER_UTILITY_METHODS

@@ -92,6 +92,7 @@ def main() -> None:
     try:
         _busy_loop(worker, broadcast, response, rank, config.parallel_config)
     finally:
+        worker.shutdown()
         broadcast.close()
         response.close()
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedinfer.attention.backend import AttentionBackend, get_forward_context
+from pagedinfer.distributed.kv_transfer.base import layer_name as kv_layer_name
 from pagedinfer.distributed.parallel_state import (
     GroupCoordinator,
     get_pp_group,
@@ -186,10 +187,13 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         shard: TPShard,
         tp: GroupCoordinator,
+        layer_name: str = "",
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         """Index of this layer's KV cache in the forward context (local to the stage)."""
+        self.layer_name = layer_name
+        """The layer's global name, under which a KV connector knows its cache."""
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
         self.tp = tp
@@ -222,9 +226,15 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        connector = ctx.kv_connector
+        if connector is not None:
+            connector.wait_for_layer_load(self.layer_name)
         attn = self.backend.forward(
-            q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata
+            q, k, v, kv_cache, ctx.attn_metadata
         )  # [num_tokens, num_heads, head_dim]
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, kv_cache)
         out = self.o_proj(attn.reshape(num_tokens, self.q_size))
         return self.tp.all_reduce(out)  # row-parallel: sum the ranks' partial products
 
@@ -257,10 +267,11 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         shard: TPShard,
         tp: GroupCoordinator,
+        layer_name: str = "",
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, backend, shard, tp)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, shard, tp, layer_name)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard, tp)
 
@@ -335,7 +346,9 @@ class LlamaForCausalLM(nn.Module):
         if first or (last and tied):
             self.embed_tokens = VocabParallelEmbedding(self.shard, config.hidden_size, self.tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - self.layer_start, backend, self.shard, self.tp)
+            LlamaDecoderLayer(
+                config, i - self.layer_start, backend, self.shard, self.tp, kv_layer_name(i)
+            )
             for i in range(self.layer_start, self.layer_end)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None

@@ -28,6 +28,8 @@ from pagedinfer.attention.backend import (
 from pagedinfer.config import SpeculativeConfig
 from pagedinfer.core.messages import LogprobsLists
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
+from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.distributed.parallel_state import get_pp_group
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.sample.metadata import LogprobsTensors, SamplingMetadata
@@ -107,6 +109,7 @@ class _StepState:
     """[num_tokens, hidden_size], kept only for proposers that read the target's features."""
     runs: list[tuple[str, int, int, int]] | None = None
     """With `hidden`: per request (req_id, first row, start position, tokens run)."""
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 def padded_block_table(block_ids: list[list[int]]) -> np.ndarray:
@@ -164,8 +167,12 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         draft_model: DraftModel | None = None,
         head_kv_cache: torch.Tensor | None = None,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.model = model
+        # KV transfer (disaggregated prefill): loads before the forward pass, per-layer
+        # hooks inside it (through the forward context), saves waited for after it.
+        self.kv_connector = kv_connector
         self.backend = backend
         self.pp = get_pp_group()
         self.kv_caches = kv_caches
@@ -233,7 +240,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self._update_states(so)
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute(so)
+        connector.bind_connector_metadata(so.kv_connector_metadata or KVConnectorMetadata())
+        try:
+            connector.start_load_kv()
+            output = self._execute(so)
+            connector.wait_for_save()
+        finally:
+            connector.clear_connector_metadata()
+        kv_output = connector.get_finished(so.finished_req_ids)
+        if output is not None:  # nothing to compute: report the transfers alone
+            output.kv_connector_output = kv_output
+        else:
+            assert self._step is not None
+            self._step.kv_connector_output = kv_output
+        return output
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         if so.total_num_scheduled_tokens == 0:
+            if self.kv_connector is not None:
+                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
             self._step = _StepState([], [], None, {})
             return None
 
@@ -288,7 +316,11 @@ class ModelRunner:
         positions = positions_np
         input_ids = torch.tensor(token_ids, dtype=torch.int64)  # [num_tokens]
         pos_tensor = torch.from_numpy(positions)  # [num_tokens] int64
-        ctx = ForwardContext(attn_metadata=self.backend.build(common), kv_caches=self.kv_caches)
+        ctx = ForwardContext(
+            attn_metadata=self.backend.build(common),
+            kv_caches=self.kv_caches,
+            kv_connector=self.kv_connector,
+        )
         aux = None
         if self.pp.world_size > 1:
             stage_hidden = self._forward_stage(ctx, input_ids, pos_tensor)
@@ -431,6 +463,7 @@ class ModelRunner:
             logprobs=logprobs_lists,
             prompt_logprobs_dict=step.prompt_logprobs,
             draft_token_ids=draft_token_ids,
+            kv_connector_output=step.kv_connector_output,
         )
 
     def _propose(

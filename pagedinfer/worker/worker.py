@@ -22,6 +22,9 @@ from pagedinfer.attention.cpu_sdpa import CpuPagedBackend, CpuSdpaBackend
 from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedinfer.distributed.kv_transfer.base import layer_name as kv_layer_name
+from pagedinfer.distributed.kv_transfer.factory import create_connector
 from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, init_distributed
 from pagedinfer.model.llama import LlamaForCausalLM, TPShard
 from pagedinfer.model.loader import (
@@ -97,6 +100,7 @@ class Worker:
         self.arch: ModelArchConfig | None = None
         self.model: LlamaForCausalLM | None = None
         self.runner: ModelRunner | None = None
+        self.kv_connector: KVConnectorBase | None = None
         # A separate draft model (speculative "draft_model" with `model`): arch, model, backend.
         self.draft: tuple[ModelArchConfig, LlamaForCausalLM, AttentionBackend] | None = None
         self.load_time_s = 0.0
@@ -239,6 +243,13 @@ class Worker:
         if self._eagle():  # one layer shaped as the target's
             head_kv_cache = self._kv_caches(dataclasses.replace(arch, num_hidden_layers=1),
                                             num_blocks)[0]  # fmt: skip
+        kv_connector = create_connector(self.config, KVConnectorRole.WORKER)
+        if kv_connector is not None:
+            start = self.model.layer_start
+            kv_connector.register_kv_caches(
+                {kv_layer_name(start + i): cache for i, cache in enumerate(kv_caches)}
+            )
+        self.kv_connector = kv_connector
         self.runner = ModelRunner(
             self.model,
             self.backend,
@@ -248,6 +259,7 @@ class Worker:
             speculative_config=self.config.speculative_config,
             draft_model=draft_model,
             head_kv_cache=head_kv_cache,
+            kv_connector=kv_connector,
         )
         release_free_heap()  # loading's temporaries (~150 MB); see pagedinfer/platform.py
 
@@ -260,6 +272,12 @@ class Worker:
             )  # [2, num_blocks, block_size, num_kv_heads, head_dim]
             for _ in range(arch.num_hidden_layers)
         ]
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the KV connector's threads and sockets."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
 
     def ping(self) -> str:
         return "pong"

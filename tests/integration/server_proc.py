@@ -31,14 +31,22 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        *args: str,
+        startup_timeout_s: float = 600.0,
+        command: str = "serve",
+        ready_path: str = "/health",
+    ) -> None:
+        """`pagedinfer {command} --port P *args` (command "disagg-proxy" for the proxy),
+        up once `ready_path` answers 200."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(
             "w+", prefix="pagedinfer-server-", suffix=".log", delete=False
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedinfer", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", "pagedinfer", command, "--port", str(self.port), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -48,7 +56,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited during startup:\n{self.log()[-4000:]}")
             try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.base + ready_path, timeout=2) as r:
                     if r.status == 200:
                         return
             except OSError:

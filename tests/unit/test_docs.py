@@ -7,6 +7,7 @@ import os
 
 from pagedinfer.config import (
     CacheConfig,
+    KVTransferConfig,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -50,6 +51,13 @@ def test_every_speculative_config_key_is_documented() -> None:
     readme = _readme()
     assert "`speculative_config`" in readme and "--speculative-config" in readme
     for f in dataclasses.fields(SpeculativeConfig):
+        assert f"| `{f.name}` |" in readme, f.name
+
+
+def test_every_kv_transfer_config_key_is_documented() -> None:
+    readme = _readme()
+    assert "`kv_transfer_config`" in readme and "--kv-transfer-config" in readme
+    for f in dataclasses.fields(KVTransferConfig):
         assert f"| `{f.name}` |" in readme, f.name
 
 

@@ -1,0 +1,82 @@
+"""`SharedStorageConnector`: prompt KV in a local or shared directory (vLLM's debugging
+connector, renamed `ExampleConnector` there; the seed's walk-through of disaggregated
+prefill uses it).
+
+    {shared_storage_path}/{key}/model.layers.{i}.self_attn.safetensors
+
+Each file holds `kv_cache`, `[2, num_tokens, num_kv_heads, head_dim]`, and its checksum in
+the safetensors metadata. Layers are written into a hidden temporary directory that is
+renamed to `{key}` once all are written: the rename is atomic, so a reader sees either no
+entry or a complete one (on a shared filesystem with atomic rename, e.g. NFS v3+ within one
+export). Nothing is ever deleted: clearing the directory is the operator's business.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
+from pagedinfer.distributed.kv_transfer.storage import KVLoadError, StorageConnector, kv_checksum
+
+if TYPE_CHECKING:
+    from pagedinfer.config import EngineConfig
+
+__all__ = ["SharedStorageConnector"]
+
+
+class SharedStorageConnector(StorageConnector):
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        self.root = str(self.kv_config.get_from_extra_config("shared_storage_path", "/tmp"))
+        os.makedirs(self.root, exist_ok=True)
+        # Worker side: key -> the temporary directory being written.
+        self._staging: dict[str, str] = {}
+
+    def _entry(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def _exists(self, key: str) -> bool:
+        return os.path.isdir(self._entry(key))
+
+    def _put_layer(self, key: str, layer_name: str, kv: torch.Tensor) -> None:
+        staging = self._staging.get(key)
+        if staging is None:
+            staging = os.path.join(self.root, f".tmp-{key}-{uuid.uuid4().hex[:8]}")
+            os.makedirs(staging)
+            self._staging[key] = staging
+        save_file(
+            {"kv_cache": kv.contiguous()},
+            os.path.join(staging, f"{layer_name}.safetensors"),
+            metadata={"checksum": kv_checksum(kv)},
+        )
+
+    def _commit(self, key: str, layer_names: list[str]) -> None:
+        staging = self._staging.pop(key)
+        try:
+            os.rename(staging, self._entry(key))
+        except OSError:
+            # Another instance stored the same prompt first (the entry exists): keep theirs.
+            shutil.rmtree(staging, ignore_errors=True)
+            if not self._exists(key):
+                raise
+
+    def _get_layer(self, key: str, layer_name: str) -> torch.Tensor:
+        path = os.path.join(self._entry(key), f"{layer_name}.safetensors")
+        try:
+            with safe_open(path, framework="pt") as f:
+                checksum = (f.metadata() or {}).get("checksum")
+                kv = f.get_tensor("kv_cache")
+        except FileNotFoundError:
+            raise KVLoadError(f"{path} is missing") from None
+        except Exception as exc:  # a truncated or garbled header
+            raise KVLoadError(f"{path} is unreadable: {exc}") from exc
+        if checksum != kv_checksum(kv):
+            raise KVLoadError(f"{path} is corrupted (checksum mismatch)")
+        return kv
