@@ -14,6 +14,10 @@ tokens, so no transfer parameters need to travel between them.
 - Layout: one entry per layer, `[2, aligned, num_kv_heads, head_dim]` (K then V), each with
   a checksum; an entry becomes visible only once every layer is written (`_commit`), so a
   reader never sees a partial save.
+- Layer by layer, both ways: the producer's attention layers hand their KV to a writer
+  thread as they write it (`save_kv_layer`); the consumer's reader thread fetches layers in
+  order from `start_load_kv` on, and each attention layer places its own just before it
+  runs (`wait_for_layer_load`).
 - Failures: a missing, truncated or corrupted layer makes the load fail; the request's
   loaded blocks are reported in `invalid_block_ids` and the scheduler applies
   `kv_load_failure_policy`.
@@ -96,6 +100,10 @@ class StorageConnector(KVConnectorBase):
         # Worker side.
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._writer: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        # This step's loads: per layer, the reader's pending result; failed requests.
+        self._loading: dict[str, Future[tuple[list[torch.Tensor | KVLoadError], float]]] = {}
+        self._load_errors: dict[str, KVLoadError] = {}
         self._writes: list[Future[float]] = []
         self._out = KVConnectorOutput()
 
@@ -189,45 +197,78 @@ class StorageConnector(KVConnectorBase):
         self.kv_caches = kv_caches
 
     def start_load_kv(self) -> None:
+        """Start reading this step's loads on the reader thread, one layer after another:
+        `wait_for_layer_load` places layer i in the paged cache just before layer i's
+        attention, so reading later layers overlaps the forward pass of earlier ones."""
         meta = self.get_connector_metadata()
-        for spec in meta.loads:
-            start = time.perf_counter()
-            try:
-                num_bytes = self._load_request(spec)
-            except KVLoadError as exc:
-                first = spec.start // self.block_size
-                last = -(-(spec.start + spec.num_tokens) // self.block_size)
-                self._out.invalid_block_ids.extend(spec.block_ids[first:last])
-                logger.warning("KV load of request %s failed: %s", spec.req_id, exc)
-                continue
-            self._out.num_loaded_tokens += spec.num_tokens
-            self._out.num_loaded_bytes += num_bytes
-            self._out.load_time_s += time.perf_counter() - start
+        self._loading = {}
+        self._load_errors = {}
+        if not meta.loads:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        for name in self.kv_caches:
+            self._loading[name] = self._reader.submit(self._read_layer, meta.loads, name)
 
-    def _load_request(self, spec: KVTransferSpec) -> int:
-        """Scatter tokens `[start, start + num_tokens)` of the stored entry into the paged
-        cache, layer by layer; returns the bytes read."""
-        slots = token_slots(spec.block_ids, spec.start, spec.num_tokens, self.block_size)
-        end = spec.start + spec.num_tokens
-        num_bytes = 0
-        for name, kv_cache in self.kv_caches.items():
+    def _read_layer(
+        self, specs: list[KVTransferSpec], name: str
+    ) -> tuple[list[torch.Tensor | KVLoadError], float]:
+        """One layer of every load (reader thread): the tokens to place, `[2, n, kv_heads,
+        head_dim]` in the cache's dtype, or the error; and the time it took."""
+        start = time.perf_counter()
+        kv_cache = self.kv_caches[name]
+        out: list[torch.Tensor | KVLoadError] = []
+        for spec in specs:
+            end = spec.start + spec.num_tokens
             try:
                 stored = self._get_layer(spec.key, name)  # [2, aligned, kv_heads, head_dim]
-            except KVLoadError:
-                raise
+                expected = (kv_cache.shape[-2], kv_cache.shape[-1])
+                if stored.dim() != 4 or stored.shape[0] != 2 or tuple(stored.shape[2:]) != expected:
+                    raise KVLoadError(f"{name}: stored shape {tuple(stored.shape)} does not fit")
+                if stored.shape[1] < end:
+                    raise KVLoadError(f"{name}: {stored.shape[1]} tokens stored, {end} needed")
+                out.append(stored[:, spec.start : end].to(kv_cache.dtype))
+            except KVLoadError as exc:
+                out.append(exc)
             except Exception as exc:  # an unreadable file, a dropped connection, ...
-                raise KVLoadError(f"{name}: {type(exc).__name__}: {exc}") from exc
-            expected = (kv_cache.shape[-2], kv_cache.shape[-1])
-            if stored.dim() != 4 or stored.shape[0] != 2 or tuple(stored.shape[2:]) != expected:
-                raise KVLoadError(f"{name}: stored shape {tuple(stored.shape)} does not fit")
-            if stored.shape[1] < end:
-                raise KVLoadError(f"{name}: {stored.shape[1]} tokens stored, {end} needed")
-            num_bytes += stored.numel() * stored.element_size()
-            part = stored[:, spec.start : end].to(kv_cache.dtype)
-            key_cache, value_cache = flat_kv_cache(kv_cache)
+                out.append(KVLoadError(f"{name}: {type(exc).__name__}: {exc}"))
+        return out, time.perf_counter() - start
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        future = self._loading.pop(layer_name, None)
+        if future is None:
+            return
+        parts, read_time = future.result()
+        start = time.perf_counter()
+        key_cache, value_cache = flat_kv_cache(self.kv_caches[layer_name])
+        for spec, part in zip(self.get_connector_metadata().loads, parts):
+            if spec.req_id in self._load_errors:
+                continue
+            if isinstance(part, KVLoadError):
+                self._load_errors[spec.req_id] = part
+                continue
+            slots = token_slots(spec.block_ids, spec.start, spec.num_tokens, self.block_size)
             key_cache.index_copy_(0, slots, part[0])
             value_cache.index_copy_(0, slots, part[1])
-        return num_bytes
+            self._out.num_loaded_bytes += part.numel() * part.element_size()
+        self._out.load_time_s += read_time + time.perf_counter() - start
+
+    def _finish_loads(self) -> None:
+        """After the forward pass: place any layer it did not wait for, then report each
+        load: its tokens, or its blocks as invalid (the scheduler recomputes or fails it;
+        this step's output of that request is dropped)."""
+        for name in list(self._loading):
+            self.wait_for_layer_load(name)
+        for spec in self.get_connector_metadata().loads:
+            error = self._load_errors.get(spec.req_id)
+            if error is None:
+                self._out.num_loaded_tokens += spec.num_tokens
+                continue
+            first = spec.start // self.block_size
+            last = -(-(spec.start + spec.num_tokens) // self.block_size)
+            self._out.invalid_block_ids.extend(spec.block_ids[first:last])
+            logger.warning("KV load of request %s failed: %s", spec.req_id, error)
+        self._load_errors = {}
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         meta = self.get_connector_metadata()
@@ -249,6 +290,7 @@ class StorageConnector(KVConnectorBase):
         return time.perf_counter() - start
 
     def wait_for_save(self) -> None:
+        self._finish_loads()
         meta = self.get_connector_metadata()
         if not meta.saves:
             return
@@ -278,6 +320,7 @@ class StorageConnector(KVConnectorBase):
         return out
 
     def shutdown(self) -> None:
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        for pool in (self._reader, self._writer):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._reader = self._writer = None
