@@ -152,15 +152,6 @@ class KVTransferStats(msgspec.Struct, omit_defaults=True):
     num_failed_loads: int = 0
     """Requests whose loaded KV was missing, partial or corrupted."""
 
-    def observe(self, output: Any) -> None:
-        """Add a worker's `KVConnectorOutput` counters."""
-        self.num_loaded_tokens += output.num_loaded_tokens
-        self.num_loaded_bytes += output.num_loaded_bytes
-        self.load_time_s += output.load_time_s
-        self.num_saved_tokens += output.num_saved_tokens
-        self.num_saved_bytes += output.num_saved_bytes
-        self.save_time_s += output.save_time_s
-
     def add(self, other: KVTransferStats) -> None:
         for name in self.__struct_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -468,7 +468,7 @@ class Scheduler:
             if request is not None:
                 self.kv_cache_manager.free(request)
         if self._kv_stats is not None:
-            self._kv_stats.observe(kv_output)
+            self._kv_stats.add(kv_output.stats)
         assert self.connector is not None
         self.connector.update_connector_output(kv_output)
 

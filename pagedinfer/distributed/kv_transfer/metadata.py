@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedinfer.core.messages import KVTransferStats
+
 __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVTransferSpec"]
 
 
@@ -59,18 +61,13 @@ class KVConnectorOutput:
     """Requests whose asynchronous load finished (successfully or not)."""
     invalid_block_ids: list[int] = field(default_factory=list)
     """Blocks whose load failed (missing, partial or corrupted KV)."""
-    num_loaded_tokens: int = 0
-    num_loaded_bytes: int = 0
-    load_time_s: float = 0.0
-    num_saved_tokens: int = 0
-    num_saved_bytes: int = 0
-    save_time_s: float = 0.0
+    stats: KVTransferStats = field(default_factory=KVTransferStats)
+    """Tokens, bytes and time loaded and saved since the last report."""
 
     def is_empty(self) -> bool:
         return not (
             self.finished_sending
             or self.finished_recving
             or self.invalid_block_ids
-            or self.num_loaded_tokens
-            or self.num_saved_tokens
+            or not self.stats.is_empty()
         )

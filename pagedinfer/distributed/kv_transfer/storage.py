@@ -250,8 +250,8 @@ class StorageConnector(KVConnectorBase):
             slots = token_slots(spec.block_ids, spec.start, spec.num_tokens, self.block_size)
             key_cache.index_copy_(0, slots, part[0])
             value_cache.index_copy_(0, slots, part[1])
-            self._out.num_loaded_bytes += part.numel() * part.element_size()
-        self._out.load_time_s += read_time + time.perf_counter() - start
+            self._out.stats.num_loaded_bytes += part.numel() * part.element_size()
+        self._out.stats.load_time_s += read_time + time.perf_counter() - start
 
     def _finish_loads(self) -> None:
         """After the forward pass: place any layer it did not wait for, then report each
@@ -262,7 +262,7 @@ class StorageConnector(KVConnectorBase):
         for spec in self.get_connector_metadata().loads:
             error = self._load_errors.get(spec.req_id)
             if error is None:
-                self._out.num_loaded_tokens += spec.num_tokens
+                self._out.stats.num_loaded_tokens += spec.num_tokens
                 continue
             first = spec.start // self.block_size
             last = -(-(spec.start + spec.num_tokens) // self.block_size)
@@ -282,7 +282,7 @@ class StorageConnector(KVConnectorBase):
             # A copy: the paged buffers may be overwritten by later steps.
             kv = torch.stack([key_cache.index_select(0, slots), value_cache.index_select(0, slots)])
             self._writes.append(self._writer.submit(self._timed_put, spec.key, layer_name, kv))
-            self._out.num_saved_bytes += kv.numel() * kv.element_size()
+            self._out.stats.num_saved_bytes += kv.numel() * kv.element_size()
 
     def _timed_put(self, key: str, layer_name: str, kv: torch.Tensor) -> float:
         start = time.perf_counter()
@@ -298,7 +298,7 @@ class StorageConnector(KVConnectorBase):
         failed = False
         for future in writes:
             try:
-                self._out.save_time_s += future.result()
+                self._out.stats.save_time_s += future.result()
             except Exception as exc:  # the store is down or full: this save is lost
                 logger.warning("KV save failed: %s", exc)
                 failed = True
@@ -312,8 +312,8 @@ class StorageConnector(KVConnectorBase):
             except Exception as exc:
                 logger.warning("KV save of request %s failed: %s", spec.req_id, exc)
                 continue
-            self._out.num_saved_tokens += spec.num_tokens
-            self._out.save_time_s += time.perf_counter() - start
+            self._out.stats.num_saved_tokens += spec.num_tokens
+            self._out.stats.save_time_s += time.perf_counter() - start
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out, self._out = self._out, KVConnectorOutput()

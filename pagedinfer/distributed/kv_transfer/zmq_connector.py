@@ -489,9 +489,9 @@ class ZmqConnector(KVConnectorBase):
                 except Exception as exc:  # a device error: the blocks are not usable
                     result.error = f"{type(exc).__name__}: {exc}"
             if result.error is None:
-                out.num_loaded_tokens += spec.num_tokens
-                out.num_loaded_bytes += result.num_bytes
-                out.load_time_s += result.elapsed_s
+                out.stats.num_loaded_tokens += spec.num_tokens
+                out.stats.num_loaded_bytes += result.num_bytes
+                out.stats.load_time_s += result.elapsed_s
             else:
                 first = spec.start // self.block_size
                 last = -(-(spec.start + spec.num_tokens) // self.block_size)

@@ -12,12 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from pagedinfer.core.messages import LogprobsLists
+from pagedinfer.core.messages import KVTransferStats, LogprobsLists
 from pagedinfer.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+)
+from pagedinfer.distributed.kv_transfer.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransferSpec,
 )
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.distributed.shm_mq import MessageQueue
@@ -147,9 +152,13 @@ def test_scheduler_and_model_runner_outputs_round_trip_typed() -> None:
         scheduled_spec_decode_tokens={"b": [9, 9]},
         finished_req_ids={"c"},
         preempted_req_ids={"d"},
+        kv_connector_metadata=KVConnectorMetadata(
+            loads=[KVTransferSpec("a", [0, 1], 16, 8, "key", {"remote_port": 5, "x": [1]})]
+        ),
     )
     out = _round_trip(sched, SchedulerOutput)
     assert out == sched
+    assert isinstance(out.kv_connector_metadata.loads[0], KVTransferSpec)
     assert isinstance(out.scheduled_new_reqs[0].sampling_params, SamplingParams)
     assert out.scheduled_new_reqs[0].sampling_params.all_stop_token_ids == {2}
 
@@ -159,9 +168,13 @@ def test_scheduler_and_model_runner_outputs_round_trip_typed() -> None:
         sampled_token_ids=[[5], [6, 7]],
         logprobs=LogprobsLists([[5, 1], [6, 1], [7, 2]], [[-0.1, -2.0]] * 3, [0, 0, 1]),
         draft_token_ids={"a": [1, 2]},
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=["a"], invalid_block_ids=[3], stats=KVTransferStats(load_time_s=0.5)
+        ),
     )
     out = _round_trip(runner, ModelRunnerOutput)
     assert out == runner and isinstance(out.logprobs, LogprobsLists)
+    assert isinstance(out.kv_connector_output.stats, KVTransferStats)
     assert out.logprobs_row_of(1) == 1
 
 
