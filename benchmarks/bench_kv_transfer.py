@@ -10,8 +10,9 @@ request:
 - the consumer's time to first token with the load, against the same instance computing the
   prompt itself (no KV stored for it): what the transfer saves on the decode side.
 
-Both instances run in this process with the in-process executor (they take turns, so the
-figures are not disturbed by each other); Redis is a real redis-server on loopback.
+The store-backed connectors' producer and consumer run in this process, one after the
+other; the ZmqConnector's producer runs in a process of its own, whose server thread answers
+the consumer's pulls over loopback TCP. Redis is a real redis-server on loopback.
 
 Usage: .venv/bin/python benchmarks/bench_kv_transfer.py [--lengths 512,2048] [--requests 4]
            [--connectors SharedStorageConnector,RedisConnector,ZmqConnector] [--dtype auto]
@@ -20,6 +21,7 @@ Usage: .venv/bin/python benchmarks/bench_kv_transfer.py [--lengths 512,2048] [--
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import random
 import shutil
@@ -83,36 +85,67 @@ def run_one(connector: str, length: int, args: argparse.Namespace, extra: dict[s
         producer_cfg["kv_port"] = free_port()
     consumer_cfg = {**producer_cfg, "kv_role": "kv_consumer"}
     prompts = prompts_of(length, args.requests, seed=length)
-    fresh = prompts_of(length, args.requests, seed=length + 1)  # never stored
-    one = SamplingParams(max_tokens=1, temperature=0)
+    if connector == "ZmqConnector":
+        # The producer in its own process, as in a deployment: its server thread answers
+        # the pulls while the consumer computes, and must not share the consumer's GIL.
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_producer_process, args=(child, producer_cfg, engine, prompts))
+        proc.start()
+        params, saved = parent.recv()
+        try:
+            return _consume(connector, length, args, engine, consumer_cfg, prompts, params,
+                            saved)  # fmt: skip
+        finally:
+            parent.send("done")
+            proc.join(60)
+    with LLM(kv_transfer_config=producer_cfg, **engine) as producer:
+        params, saved = _produce(producer, prompts)
+        return _consume(connector, length, args, engine, consumer_cfg, prompts, params, saved)
+
+
+def _produce(producer: LLM, prompts: list[list[int]]) -> tuple[list[Any], dict[str, float]]:
+    """Prefill each prompt alone; its kv_transfer_params and the save counters."""
     remote = SamplingParams(
         max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
     )
-    params: list[dict[str, Any] | None] = []
+    warm = SamplingParams(max_tokens=1, temperature=0)
+    producer.generate([{"prompt_token_ids": prompts[0][:64]}], warm, use_tqdm=False)
+    before = kv_stats(producer)
+    params = []
+    for p in prompts:
+        (out,) = producer.generate([{"prompt_token_ids": p}], remote, use_tqdm=False)
+        params.append(out.kv_transfer_params)
+    return params, {k: v - before.get(k, 0) for k, v in kv_stats(producer).items()}
+
+
+def _producer_process(conn, producer_cfg, engine, prompts) -> None:
     with LLM(kv_transfer_config=producer_cfg, **engine) as producer:
-        producer.generate([{"prompt_token_ids": fresh[0][:64]}], one, use_tqdm=False)  # warm-up
-        before = kv_stats(producer)
-        for p in prompts:
-            (out,) = producer.generate([{"prompt_token_ids": p}], remote, use_tqdm=False)
-            params.append(out.kv_transfer_params)
-        saved = {k: v - before.get(k, 0) for k, v in kv_stats(producer).items()}
-        with LLM(kv_transfer_config=consumer_cfg, enable_prefix_caching=False,
-                 **engine) as consumer:  # fmt: skip
-            consumer.generate([{"prompt_token_ids": fresh[0][:64]}], one, use_tqdm=False)
-            ttft_load, ttft_compute = [], []
-            before = kv_stats(consumer)
-            for p, kv in zip(prompts, params):
-                extra_args = {"kv_transfer_params": kv} if kv else None
-                sp = SamplingParams(max_tokens=1, temperature=0, extra_args=extra_args)
-                start = time.perf_counter()
-                (out,) = consumer.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
-                ttft_load.append(time.perf_counter() - start)
-                assert out.num_external_cached_tokens > 0, "nothing was loaded"
-            loaded = {k: v - before.get(k, 0) for k, v in kv_stats(consumer).items()}
-            for p in fresh:
-                start = time.perf_counter()
-                consumer.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
-                ttft_compute.append(time.perf_counter() - start)
+        conn.send(_produce(producer, prompts))
+        conn.recv()  # serve pulls until the consumer is done
+
+
+def _consume(connector, length, args, engine, consumer_cfg, prompts, params, saved):
+    """Run each prompt alone on a consumer, loading its KV, then prompts nobody stored."""
+    fresh = prompts_of(length, args.requests, seed=length + 1)  # never stored
+    one = SamplingParams(max_tokens=1, temperature=0)
+    with LLM(kv_transfer_config=consumer_cfg, enable_prefix_caching=False,
+             **engine) as consumer:  # fmt: skip
+        consumer.generate([{"prompt_token_ids": fresh[0][:64]}], one, use_tqdm=False)
+        ttft_load, ttft_compute = [], []
+        before = kv_stats(consumer)
+        for p, kv in zip(prompts, params):
+            extra_args = {"kv_transfer_params": kv} if kv else None
+            sp = SamplingParams(max_tokens=1, temperature=0, extra_args=extra_args)
+            start = time.perf_counter()
+            (out,) = consumer.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+            ttft_load.append(time.perf_counter() - start)
+            assert out.num_external_cached_tokens > 0, "nothing was loaded"
+        loaded = {k: v - before.get(k, 0) for k, v in kv_stats(consumer).items()}
+        for p in fresh:
+            start = time.perf_counter()
+            consumer.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+            ttft_compute.append(time.perf_counter() - start)
     n = args.requests
     load_bytes = loaded["kv_num_loaded_bytes"] / n
     return {
