@@ -7,7 +7,8 @@ but check types and ranges; every problem is a 4xx with an OpenAI-style error bo
 (`{"error": {"message", "type", "param", "code"}}`), and a bad request never reaches the
 engine. With `--api-key`, every `/v1` route wants `Authorization: Bearer <key>` (401).
 A client that disconnects mid-stream closes its generator, which aborts the request in the
-engine and frees its blocks. If the engine process dies, requests fail with 503 and
+engine and frees its blocks; a non-streaming request's connection is watched while it runs,
+with the same effect. If the engine process dies, requests fail with 503 and
 `/health` answers 503.
 """
 
@@ -286,6 +287,40 @@ def _usage(
     }
 
 
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+async def _unless_disconnected(raw: Request, awaitable: Any) -> Any:
+    """Await `awaitable` (the generation of a non-streaming request) while watching the
+    client's connection: if it goes away first, cancel the generation (which aborts its
+    requests in the engine and frees their blocks, as a dropped stream does) and raise
+    `_ClientGone`. The body has been read, so the next ASGI message is the disconnect."""
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _ClientGone
+    finally:
+        for pending in (watcher, task):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
+
+
+def _gone() -> Response:
+    """No one reads it: the client is gone (nginx's code for "client closed request")."""
+    return Response(status_code=499)
+
+
 def _with_kv_transfer_params(response: dict[str, Any], params: dict[str, Any] | None):
     """A KV connector's parameters for the next instance (disaggregated prefill), at the
     top level of the response as in vLLM; absent when there are none."""
@@ -510,7 +545,11 @@ def build_app(
             # Validate every prompt before any runs: a bad one fails the request alone.
             for i, prompt in enumerate(inputs):
                 engine.input_processor.process(f"{request_id}-check-{i}", prompt, params)
-            results = await asyncio.gather(*(final_output(i, p) for i, p in enumerate(inputs)))
+            results = await _unless_disconnected(
+                raw, asyncio.gather(*(final_output(i, p) for i, p in enumerate(inputs)))
+            )
+        except _ClientGone:
+            return _gone()
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
         except EngineDeadError as exc:
@@ -619,24 +658,33 @@ def build_app(
             return _error(400, str(exc), "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = _run({"prompt_token_ids": prompt_ids}, params, request_id)
+
+        async def last() -> RequestOutput:
+            # Not streamed (FINAL_ONLY): the first output is usually the last.
+            final = None
+            async for out in gen:
+                final = out
+            assert final is not None
+            return final
+
+        created_at = int(time.time())
         try:
-            first = await gen.__anext__()
+            if body.stream:
+                first = await gen.__anext__()
+                return StreamingResponse(
+                    _stream_chat(first, gen, request_id, body, created_at, top_n),
+                    media_type="text/event-stream",
+                )
+            final = await _unless_disconnected(raw, last())
+        except _ClientGone:
+            return _gone()
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
         except EngineDeadError as exc:
             return _error(503, _dead_message(exc))
-        created_at = int(time.time())
-        if body.stream:
-            return StreamingResponse(
-                _stream_chat(first, gen, request_id, body, created_at, top_n),
-                media_type="text/event-stream",
-            )
-        final = first
-        try:
-            async for out in gen:
-                final = out
-        except EngineDeadError as exc:
-            return _error(503, _dead_message(exc))
+        finally:
+            if not body.stream:
+                await gen.aclose()
         if (failed := _failure([final])) is not None:
             return _error(400, failed)
         choices = [

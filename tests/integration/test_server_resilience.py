@@ -151,6 +151,36 @@ def test_64_streams_with_a_quarter_disconnected(server) -> None:
     assert asyncio.run(_one_completion(server))
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_dropped_non_streaming_request_is_aborted(server, route) -> None:
+    """A client that gives up on a non-streaming request (480 tokens to go) frees it in the
+    engine within a second or so, not when the generation would have ended."""
+    before = _metrics(server)
+    body = {"model": MODEL, "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    if route == "/v1/completions":
+        body["prompt"] = _prompt(1)
+    else:
+        body["messages"] = [{"role": "user", "content": _prompt(1)}]
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(asyncio.TimeoutError):  # the client gives up after 1 s
+                await asyncio.wait_for(session.post(server + route, json=body), 1.0)
+
+    asyncio.run(run())
+    gone = time.monotonic()
+    while True:
+        after = _metrics(server)
+        if after["pagedinfer:num_requests_running"] == 0 or time.monotonic() - gone > 10:
+            break
+        time.sleep(0.1)
+    assert after["pagedinfer:num_requests_running"] == 0
+    assert time.monotonic() - gone < 3
+    aborts = "pagedinfer:request_success_total{finished_reason=abort}"
+    assert after[aborts] - before[aborts] == 1
+    assert after["pagedinfer:kv_cache_usage_perc"] == 0
+
+
 async def _one_completion(base: str) -> str:
     async with aiohttp.ClientSession() as session:
         return await _complete(session, base, 0)
