@@ -168,6 +168,7 @@ class Scheduler:
             self.held_requests[request.request_id] = request
         else:
             self.kv_cache_manager.free(request)
+        self.finished_recving_kv_req_ids.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         return params
@@ -321,6 +322,12 @@ class Scheduler:
                     delay_cache_blocks=num_external > 0,
                 )
                 if new_blocks is None:
+                    if self._others_waiting_hold_blocks(request):
+                        # Requests behind this one hold blocks (their KV was loaded while
+                        # they waited) and need few more: let them run and free theirs, or
+                        # with a full pool nothing ever would. This one keeps its place.
+                        skipped.append(self.waiting.pop())
+                        continue
                     break
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(
@@ -391,6 +398,12 @@ class Scheduler:
             request.num_computed_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
         return output
+
+    def _others_waiting_hold_blocks(self, request: Request) -> bool:
+        """Whether a waiting request other than `request` holds KV blocks (only requests
+        with an asynchronous load do)."""
+        held = self.kv_cache_manager.req_to_blocks
+        return any(r is not request and r.request_id in held for r in self.waiting)
 
     def _remote_kvs_arrived(self, request: Request) -> bool:
         """The asynchronous load of a waiting request finished: enter the loaded blocks in

@@ -209,14 +209,17 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
             kv_output = runner_output.kv_connector_output
             self._stats_dirty = True
-            if not outputs.outputs and (kv_output is None or kv_output.is_empty()):
-                if self.scheduler.has_unfinished_requests():
-                    time.sleep(0.001)  # requests waiting for their loads
-                else:
-                    # Only blocks held for a remote reader: poll slower, and report nothing
-                    # (nothing was scheduled or looked up, nothing changed).
-                    time.sleep(0.01)
-                    return EngineCoreOutputs()
+            meta = scheduler_output.kv_connector_metadata
+            if (
+                not outputs.outputs
+                and (kv_output is None or kv_output.is_empty())
+                and not (meta is not None and meta.loads)
+            ):
+                # Nothing admitted, finished or transferred: report nothing (a front end
+                # would otherwise get a message per poll), and poll slower when only blocks
+                # held for a remote reader are left.
+                time.sleep(0.001 if self.scheduler.has_unfinished_requests() else 0.01)
+                return EngineCoreOutputs()
             return outputs
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Only requests whose grammar is still compiling (or that just failed): nothing

@@ -268,6 +268,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)  # min_tokens > 1 would be an error with max_tokens 1
+    out.pop("n", None)  # one prompt computed once (the servers refuse n > 1 with KV params)
     out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
 

@@ -146,6 +146,9 @@ class _SamplingFields(BaseModel):
         )
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.kv_transfer_params is not None and self.n != 1:
+            # One prompt's KV goes to (or comes from) one request on the other instance.
+            raise ValueError("kv_transfer_params needs n = 1")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         bias = None
         if self.logit_bias:
@@ -515,6 +518,8 @@ def build_app(
             return _error(400, "prompt: at least one prompt is needed", "prompt")
         if body.stream and len(prompts) > 1:
             return _error(400, "prompt: streaming takes one prompt", "prompt")
+        if body.kv_transfer_params is not None and len(prompts) > 1:
+            return _error(400, "prompt: kv_transfer_params takes one prompt", "prompt")
         try:
             params = body.sampling_params(body.max_tokens or 16, body.logprobs)
         except (ValueError, TypeError) as exc:
@@ -524,7 +529,10 @@ def build_app(
         if body.stream:
             gen = _run(inputs[0], params, request_id)
             try:
-                first = await gen.__anext__()
+                # Watched: a decode instance may wait on a KV transfer before the first token.
+                first = await _unless_disconnected(raw, gen.__anext__())
+            except _ClientGone:
+                return _gone()
             except (ValueError, TypeError) as exc:
                 return _error(400, str(exc))
             except EngineDeadError as exc:
@@ -670,7 +678,7 @@ def build_app(
         created_at = int(time.time())
         try:
             if body.stream:
-                first = await gen.__anext__()
+                first = await _unless_disconnected(raw, gen.__anext__())
                 return StreamingResponse(
                     _stream_chat(first, gen, request_id, body, created_at, top_n),
                     media_type="text/event-stream",

@@ -284,3 +284,13 @@ def test_no_blocks_leak_after_requests_with_random_disconnects(deployment) -> No
     assert busy == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)]
     # Both still serve.
     assert post(deployment.proxy.base, body(7))["choices"][0]["text"]
+
+
+def test_kv_transfer_params_need_one_prompt_and_n_1(deployment) -> None:
+    """One prompt's KV belongs to one request on the other instance: n > 1 or several
+    prompts with kv_transfer_params are refused (400), not half served."""
+    params = {"kv_transfer_params": {"do_remote_decode": True}}
+    for bad in (body(0, n=2, **params), {**body(0, **params), "prompt": [prompt(0), prompt(1)]}):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            post(deployment.decode.base, bad)
+        assert info.value.code == 400

@@ -46,7 +46,9 @@ Threads and sockets:
 The scheduler side of a producer also cancels holds: when a held request is preempted (its
 blocks are freed; the hold is set again when its prompt is recomputed), and when it finishes
 abnormally (aborted: the blocks are freed at once instead of at the lease's end). A cancel
-travels as a hold spec with `num_tokens == 0` and `params["cancel"]`. A hold released (read
+travels as a hold spec with `num_tokens == 0` and `params["cancel"]`, and is applied before
+the step's forward pass; a preemption's cancel also waits for a pull that is reading the
+blocks, since the scheduler has freed them. A hold released (read
 or expired) while its request still decodes on the producer is remembered, so that the
 request's blocks are not held again when it finishes.
 
@@ -268,6 +270,8 @@ class ZmqConnector(KVConnectorBase):
         # Worker side.
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
+        # Signalled when a pull finishes serving (a preemption's cancel waits for it).
+        self._served = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None
         self._threads: list[threading.Thread] = []
@@ -440,31 +444,40 @@ class ZmqConnector(KVConnectorBase):
         self._threads.append(thread)
 
     def start_load_kv(self) -> None:
-        for spec in self.get_connector_metadata().loads:
+        meta = self.get_connector_metadata()
+        cancels = [spec for spec in meta.holds if spec.params.get("cancel")]
+        if cancels:
+            # Before the forward pass: a preempted request's blocks were freed in this
+            # step's schedule and may be written by this very forward pass.
+            with self._lock:
+                for spec in cancels:
+                    self._cancel_hold(spec.req_id, bool(spec.params.get("report")))
+        for spec in meta.loads:
             self._load_queue.put(spec)
 
     def wait_for_save(self) -> None:
-        holds = self.get_connector_metadata().holds
+        holds = [s for s in self.get_connector_metadata().holds if not s.params.get("cancel")]
         if not holds:
             return
         # The forward pass wrote the prompts' KV: the holds become pullable now.
         deadline = time.monotonic() + self.lease_timeout_s
         with self._lock:
             for spec in holds:
-                if spec.params.get("cancel"):
-                    self._cancel_hold(spec.req_id, bool(spec.params.get("report")))
-                else:
-                    self._holds[spec.req_id] = _Hold(
-                        list(spec.block_ids), spec.num_tokens, deadline
-                    )
+                self._holds[spec.req_id] = _Hold(list(spec.block_ids), spec.num_tokens, deadline)
 
     def _cancel_hold(self, req_id: str, report: bool) -> None:
         """Under the lock."""
         hold = self._holds.pop(req_id, None)
         serving = self._serving.get(req_id)
         if serving is not None:
-            # Reported when served (an aborted request) or never (a preempted one).
+            # Reported when served (an aborted request: its blocks stay held until then)
+            # or never (a preempted one).
             serving.cancelled = not report
+            if not report:
+                # The preempted request's blocks are free again: the pull must finish
+                # reading them before anything (this step's forward pass) writes them.
+                while req_id in self._serving:
+                    self._served.wait()
         elif hold is not None and report:
             self._released.append(req_id)
 
@@ -607,6 +620,7 @@ class ZmqConnector(KVConnectorBase):
         finally:
             with self._lock:
                 self._serving.pop(req_id, None)
+                self._served.notify_all()
                 if not hold.cancelled:
                     self._released.append(req_id)
 

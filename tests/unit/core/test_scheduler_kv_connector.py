@@ -31,10 +31,13 @@ class ScriptedConnector(KVConnectorBase):
         self.allocs: list[tuple[str, list[int], int]] = []
         self.finished: list[str] = []
         self._loads: list[KVTransferSpec] = []
+        self.none_for: set[str] = set()  # requests with nothing to load
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if request.request_id in self.none_for:
+            return 0, False
         n = max(self.num_external - num_computed_tokens, 0)
         return n, self.load_async and n > 0
 
@@ -56,10 +59,10 @@ class ScriptedConnector(KVConnectorBase):
         return self.hold, {"remote_block_ids": block_ids}
 
 
-def make_scheduler(connector: ScriptedConnector, policy: str = "recompute", **kw: Any):
+def make_scheduler(connector: ScriptedConnector, failure_policy: str = "recompute", **kw: Any):
     sched = create_scheduler(**kw)
     sched.connector = connector
-    sched.kv_load_failure_policy = policy
+    sched.kv_load_failure_policy = failure_policy
     from pagedinfer.core.messages import KVTransferStats
 
     sched._kv_stats = KVTransferStats()
@@ -150,7 +153,7 @@ def test_invalid_blocks_recompute_the_prompt_without_the_connector(load_async: b
 
 
 def test_invalid_blocks_with_fail_policy_finish_the_request_with_an_error() -> None:
-    sched = make_scheduler(ScriptedConnector(num_external=32), policy="fail")
+    sched = make_scheduler(ScriptedConnector(num_external=32), failure_policy="fail")
     (req,) = create_requests(1, num_tokens=40)
     sched.add_request(req)
     so = sched.schedule()
@@ -201,3 +204,25 @@ def test_request_aborted_during_its_async_load_is_held_until_the_load_ends() -> 
     sched.update_from_output(so, with_kv(make_output(so, sched), KVConnectorOutput(
         finished_recving=["0"])))  # fmt: skip
     assert sched.kv_cache_manager.get_num_free_blocks() == free
+
+
+def test_loaded_requests_run_when_the_head_of_the_queue_cannot_allocate() -> None:
+    """A full pool whose blocks are held by waiting requests with loaded KV: the request at
+    the head cannot allocate, but those behind it need one block each and must run (else
+    nothing ever frees a block)."""
+    conn = ScriptedConnector(num_external=32, load_async=True)
+    sched = make_scheduler(conn, num_blocks=10, policy="priority")
+    waiters = create_requests(4, num_tokens=40)
+    for r in waiters:
+        sched.add_request(r)
+    so = sched.schedule()  # 4 loads of 2 blocks each: 2 blocks left
+    assert sched.kv_cache_manager.get_num_free_blocks() == 2
+    (head,) = create_requests(1, num_tokens=100, start=10)
+    head.priority = -1  # ahead of the waiters; needs 7 blocks
+    conn.none_for.add(head.request_id)
+    sched.add_request(head)
+    done = KVConnectorOutput(finished_recving=[r.request_id for r in waiters])
+    sched.update_from_output(so, with_kv(make_output(so, sched), done))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"0": 8, "1": 8}  # one more block each
+    assert sched.waiting.peek() is head  # it keeps its place
