@@ -57,6 +57,10 @@ PROMPTS = {
         "shape": "Name the planets of the solar system, from the Sun outwards.",
         "silent": "Why is the sky blue during the day and red at sunset?",
     },
+    "other_prompt": [
+        "List three rivers in Europe and the seas they flow into.",
+        "What is the boiling point of water at the top of a high mountain?",
+    ],
     "abort_load": ["Summarise the plot of Romeo and Juliet in two sentences."],
     "abort_hold": ["Count from one to fifty, separated by commas."],
 }
@@ -223,6 +227,27 @@ def test_fail_policy(producer: Producer, both: Producer, reference) -> None:
     release_step(producer.llm)
     assert free_blocks(producer.llm) == producer.all_free
     assert free_blocks(both.llm) == both.all_free
+
+
+def test_params_of_another_prompt_are_not_used(
+    producer: Producer, consumer: LLM, reference
+) -> None:
+    """A request whose kv_transfer_params name another prompt's KV (a mixed-up or replayed
+    remote_request_id) computes its own prompt and leaves that KV alone: the prompt hash
+    in the params does not match."""
+    mine, other = PROMPTS["other_prompt"]
+    (params,) = producer.prefill([other])
+    failed = kv_stat(consumer, "num_failed_loads")
+    (out,) = consumer.generate([mine], decode_params(params), use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[mine]
+    assert out.num_external_cached_tokens == 0
+    assert kv_stat(consumer, "num_failed_loads") == failed  # not even tried
+    # The other prompt's KV is still held for its own request.
+    (out,) = consumer.generate([other], decode_params(params), use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[other]
+    assert out.num_external_cached_tokens == producer.num_tokens[other] - 1
+    release_step(producer.llm)
+    assert free_blocks(producer.llm) == producer.all_free
 
 
 def test_lease_expiry(both: Producer, consumer: LLM, reference) -> None:

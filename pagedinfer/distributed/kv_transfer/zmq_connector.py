@@ -59,6 +59,7 @@ tokens, the worker still sends a pull of 0 tokens, which only releases the produ
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import queue
@@ -68,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -130,6 +132,12 @@ def _transfer_params(sampling_params: SamplingParams | None) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
+def prompt_hash(token_ids: list[int]) -> str:
+    """A digest of prompt token ids (sent in `kv_transfer_params`)."""
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
 @dataclass
 class _Remote:
     """Where a decode request's prompt KV is held (its `kv_transfer_params`)."""
@@ -139,6 +147,26 @@ class _Remote:
     engine_id: str
     request_id: str
     num_tokens: int
+    prompt_hash: str
+    """Of the producer's prompt tokens: a decode request only pulls KV computed for its own
+    prompt (not another's, through a mismatched or replayed `remote_request_id`)."""
+
+    @classmethod
+    def of(cls, request: Request) -> _Remote | None:
+        """`request`'s remote prompt KV, if its params name one computed for its prompt."""
+        remote = cls.parse(request.kv_transfer_params)
+        if remote is None:
+            return None
+        prompt = request.prompt_token_ids
+        if remote.num_tokens > len(prompt) or prompt_hash(prompt[: remote.num_tokens]) != (
+            remote.prompt_hash
+        ):
+            logger.warning(
+                "kv_transfer_params of request %s name KV of another prompt: computing the "
+                "prompt locally", request.request_id,
+            )  # fmt: skip
+            return None
+        return remote
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> _Remote | None:
@@ -151,6 +179,7 @@ class _Remote:
                 engine_id=params.get("remote_engine_id") or "",
                 request_id=params["remote_request_id"],
                 num_tokens=params["remote_num_tokens"],
+                prompt_hash=params["remote_prompt_hash"],
             )
         except KeyError as exc:
             logger.warning("kv_transfer_params without %s: computing the prompt locally", exc)
@@ -161,6 +190,7 @@ class _Remote:
             and isinstance(remote.engine_id, str)
             and isinstance(remote.request_id, str)
             and type(remote.num_tokens) is int
+            and isinstance(remote.prompt_hash, str)
         ):
             logger.warning("malformed kv_transfer_params %s: computing the prompt locally", params)
             return None
@@ -293,7 +323,7 @@ class ZmqConnector(KVConnectorBase):
         if not self.kv_config.is_kv_consumer or request.num_preemptions:
             # A preempted request loaded its KV before (the hold is gone): recompute.
             return 0, False
-        remote = _Remote.parse(request.kv_transfer_params)
+        remote = _Remote.of(request)
         if remote is None or remote.num_tokens <= num_computed_tokens:
             return 0, False
         return remote.num_tokens - num_computed_tokens, True
@@ -308,7 +338,7 @@ class ZmqConnector(KVConnectorBase):
             or request.num_computed_tokens > 0  # admitted again once its load arrived
         ):
             return
-        remote = _Remote.parse(request.kv_transfer_params)
+        remote = _Remote.of(request)
         if remote is None:
             return
         # The scheduler clamped our count to leave the last prompt token to compute: the
@@ -413,6 +443,7 @@ class ZmqConnector(KVConnectorBase):
             "remote_port": kv.kv_port,
             "remote_request_id": req_id,
             "remote_num_tokens": request.num_prompt_tokens,
+            "remote_prompt_hash": prompt_hash(request.prompt_token_ids),
         }
 
     # --------------------------------------------------------------- worker side
