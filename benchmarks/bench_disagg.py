@@ -47,8 +47,10 @@ def free_port() -> int:
 class Proc:
     """`pagedinfer {command}` on a free port, up once `/health` answers 200."""
 
-    def __init__(self, command: str, *args: str) -> None:
+    def __init__(self, command: str, *args: str, avoid_ports: tuple[int, ...] = ()) -> None:
         self.port = free_port()
+        while self.port in avoid_ports:  # a KV connector's port, bound later
+            self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-disagg-", delete=False)
         self.proc = subprocess.Popen(
@@ -131,11 +133,13 @@ def disaggregated(args: argparse.Namespace) -> list[Proc]:
         extra["shared_storage_path"] = tempfile.mkdtemp(prefix="bench-disagg-kv-")
     producer["kv_connector_extra_config"] = extra
     consumer = {**producer, "kv_role": "kv_consumer"}
+    avoid = (producer.get("kv_port", 0),)
     procs = [Proc("serve", "--num-threads", half, "--kv-transfer-config", json.dumps(producer),
-                  *args.engine)]  # fmt: skip
+                  *args.engine, avoid_ports=avoid)]  # fmt: skip
     procs.append(Proc("serve", "--num-threads", half, "--kv-transfer-config",
-                      json.dumps(consumer), *args.engine))  # fmt: skip
-    procs.append(Proc("disagg-proxy", "--prefill", procs[0].base, "--decode", procs[1].base))
+                      json.dumps(consumer), *args.engine, avoid_ports=avoid))  # fmt: skip
+    procs.append(Proc("disagg-proxy", "--prefill", procs[0].base, "--decode", procs[1].base,
+                      avoid_ports=avoid))  # fmt: skip
     return procs
 
 

@@ -37,10 +37,15 @@ class ServerProcess:
         startup_timeout_s: float = 600.0,
         command: str = "serve",
         ready_path: str = "/health",
+        avoid_ports: tuple[int, ...] = (),
     ) -> None:
         """`pagedinfer {command} --port P *args` (command "disagg-proxy" for the proxy),
         up once `ready_path` answers 200."""
+        # A port another process of the test will bind (a KV connector's) is not ours, even
+        # if the OS offers it again meanwhile.
         self.port = free_port()
+        while self.port in avoid_ports:
+            self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(
             "w+", prefix="pagedinfer-server-", suffix=".log", delete=False

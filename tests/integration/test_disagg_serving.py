@@ -88,12 +88,14 @@ def deployment(request, reference, tmp_path_factory) -> Iterator[Deployment]:
     servers: list[ServerProcess] = []
     try:
         flags = small_engine_flags(512)
+        avoid = tuple(producer.values())  # the ZMQ producer's kv_port
         servers.append(ServerProcess("--kv-transfer-config", config("kv_producer", **producer),
-                                     *flags))  # fmt: skip
-        servers.append(ServerProcess("--kv-transfer-config", config("kv_consumer"), *flags))
+                                     *flags, avoid_ports=avoid))  # fmt: skip
+        servers.append(ServerProcess("--kv-transfer-config", config("kv_consumer"), *flags,
+                                     avoid_ports=avoid))  # fmt: skip
         prefill, decode = servers
         servers.append(ServerProcess("--prefill", prefill.base, "--decode", decode.base,
-                                     command="disagg-proxy"))  # fmt: skip
+                                     command="disagg-proxy", avoid_ports=avoid))  # fmt: skip
         yield Deployment(connector, prefill, decode, servers[2], extra)
     finally:
         for server in reversed(servers):
