@@ -268,8 +268,7 @@ class Scheduler:
                     if request.request_id not in self.finished_recving_kv_req_ids:
                         skipped.append(self.waiting.pop())
                         continue
-                    if not self._remote_kvs_arrived(request):
-                        continue  # the load failed and the policy failed the request
+                    self._remote_kvs_arrived(request)
                 if request.status == RequestStatus.WAITING_FOR_FSM:
                     so = request.structured_output_request
                     assert so is not None
@@ -405,21 +404,29 @@ class Scheduler:
         held = self.kv_cache_manager.req_to_blocks
         return any(r is not request and r.request_id in held for r in self.waiting)
 
-    def _remote_kvs_arrived(self, request: Request) -> bool:
+    def _remote_kvs_arrived(self, request: Request) -> None:
         """The asynchronous load of a waiting request finished: enter the loaded blocks in
         the prefix cache and make it schedulable. After a failed load (see
         `_handle_invalid_blocks`) the request starts over and computes its prompt."""
         self.finished_recving_kv_req_ids.discard(request.request_id)
         if request.kv_load_failed:
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.num_external_computed_tokens = 0
+            self._restart_without_loaded_kv(request)
         else:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            request.status = (
+                RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            )
+
+    def _restart_without_loaded_kv(self, request: Request) -> None:
+        """Drop a request's blocks after a failed load (the bad ones were never entered in
+        the prefix cache; its good local hits are found again) and make it compute its
+        prompt from the start. The caller puts it in the waiting queue if it is not."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_external_computed_tokens = 0
         request.status = (
             RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
         )
-        return True
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """Blocks whose KV load failed (missing, partial or corrupted): the requests that
@@ -454,16 +461,9 @@ class Scheduler:
                 request.stop_reason = "KV transfer failed: the loaded KV cache was invalid"
                 self._finished_waiting.append(request)
                 continue
-            # Start over: drop the blocks (the bad ones were never entered in the prefix
-            # cache; the good local hits are found again) and compute the prompt.
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.num_external_computed_tokens = 0
+            self._restart_without_loaded_kv(request)
             request.num_cached_tokens = -1
             request.spec_token_ids = []
-            request.status = (
-                RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
-            )
             self.waiting.prepend(request)
         return dropped
 

@@ -295,8 +295,8 @@ class _ClientGone(Exception):
 
 
 async def _unless_disconnected(raw: Request, awaitable: Any) -> Any:
-    """Await `awaitable` (the generation of a non-streaming request) while watching the
-    client's connection: if it goes away first, cancel the generation (which aborts its
+    """Await `awaitable` (a non-streaming request's generation, or a stream's first output)
+    while watching the client's connection: if it goes away first, cancel it (which aborts its
     requests in the engine and frees their blocks, as a dropped stream does) and raise
     `_ClientGone`. The body has been read, so the next ASGI message is the disconnect."""
 

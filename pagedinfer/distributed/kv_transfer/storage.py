@@ -57,6 +57,7 @@ __all__ = [
     "KVLoadError",
     "kv_checksum",
     "prompt_store_key",
+    "token_digest",
     "token_slots",
 ]
 
@@ -78,14 +79,19 @@ def token_slots(block_ids: list[int], start: int, num_tokens: int, block_size: i
     return torch.from_numpy(blocks * block_size + positions % block_size)
 
 
+def token_digest(token_ids: list[int], tag: str = "") -> str:
+    """sha256 (hex) of `tag` and the token ids as int64 bytes."""
+    digest = hashlib.sha256(tag.encode())
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
 def prompt_store_key(
     model: str | None, block_size: int, prompt_token_ids: list[int]
 ) -> tuple[str, int]:
     """The store key of a prompt and the number of its tokens stored under it."""
     aligned = max((len(prompt_token_ids) - 1) // block_size * block_size, 0)
-    digest = hashlib.sha256(f"{model or 'default'}|".encode())
-    digest.update(np.asarray(prompt_token_ids[:aligned], dtype=np.int64).tobytes())
-    return digest.hexdigest(), aligned
+    return token_digest(prompt_token_ids[:aligned], f"{model or 'default'}|"), aligned
 
 
 class StorageConnector(KVConnectorBase):
@@ -95,8 +101,9 @@ class StorageConnector(KVConnectorBase):
         super().__init__(config, role)
         # Scheduler side.
         self._pending_loads: list[KVTransferSpec] = []
-        # Requests whose prompt KV is not saved yet: prompt ids and block table.
-        self._unsaved: dict[str, tuple[list[int], list[int]]] = {}
+        # Requests whose prompt KV is not saved yet: store key, tokens stored under it
+        # and block table (the key hashed once, not at every chunk of the prompt).
+        self._unsaved: dict[str, tuple[str, int, list[int]]] = {}
         # Worker side.
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._writer: ThreadPoolExecutor | None = None
@@ -169,18 +176,18 @@ class StorageConnector(KVConnectorBase):
         loaded = {spec.req_id for spec in meta.loads}
         for new in so.scheduled_new_reqs:
             if new.req_id not in loaded:
-                self._unsaved[new.req_id] = (new.prompt_token_ids, list(new.block_ids))
+                key, aligned = self.prompt_key(new.prompt_token_ids)
+                self._unsaved[new.req_id] = (key, aligned, list(new.block_ids))
                 computed_before[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             entry = self._unsaved.get(req_id)
             if entry is not None:
-                entry[1].extend(cached.new_block_ids[i])
+                entry[2].extend(cached.new_block_ids[i])
                 computed_before[req_id] = cached.num_computed_tokens[i]
         keys_this_step: set[str] = set()
         for req_id, start in computed_before.items():
-            prompt, block_ids = self._unsaved[req_id]
-            key, aligned = self.prompt_key(prompt)
+            key, aligned, block_ids = self._unsaved[req_id]
             if start + so.num_scheduled_tokens[req_id] < aligned:
                 continue  # the prompt's KV is complete only after a later chunk
             del self._unsaved[req_id]

@@ -59,7 +59,6 @@ tokens, the worker still sends a pull of 0 tokens, which only releases the produ
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import queue
@@ -69,7 +68,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -82,7 +80,12 @@ from pagedinfer.distributed.kv_transfer.metadata import (
     KVConnectorOutput,
     KVTransferSpec,
 )
-from pagedinfer.distributed.kv_transfer.storage import KVLoadError, kv_checksum, token_slots
+from pagedinfer.distributed.kv_transfer.storage import (
+    KVLoadError,
+    kv_checksum,
+    token_digest,
+    token_slots,
+)
 
 if TYPE_CHECKING:
     from pagedinfer.config import EngineConfig
@@ -134,8 +137,7 @@ def _transfer_params(sampling_params: SamplingParams | None) -> dict[str, Any]:
 
 def prompt_hash(token_ids: list[int]) -> str:
     """A digest of prompt token ids (sent in `kv_transfer_params`)."""
-    data = np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.sha256(data).hexdigest()[:32]
+    return token_digest(token_ids)[:32]
 
 
 @dataclass
