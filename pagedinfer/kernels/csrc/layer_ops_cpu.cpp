@@ -6,7 +6,7 @@
 // float32 and rounds once to the activation dtype (torch's chain of bf16 ops rounds after
 // each op, so results differ from it by bf16 rounding, never more; in float32 they differ by
 // summation order). See model/llama.py.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
 #include <ATen/Parallel.h>
 
 #include <cmath>

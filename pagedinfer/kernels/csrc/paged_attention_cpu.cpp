@@ -12,7 +12,7 @@
 // K/V row is widened to float32 in registers (16 lanes at a time) -- the loop is bound by
 // reading the cache, so the row is loaded once and used by every head of the group.
 // Reference: attention/torch_ref.py (tests/unit/attention compare the two within 1e-4).
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
 #include <ATen/Parallel.h>
 
 #include <cmath>

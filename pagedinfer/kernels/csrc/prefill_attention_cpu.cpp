@@ -21,7 +21,7 @@
 // the longest first, handed out dynamically (causal items differ in length).
 // The rounding of P to bfloat16 is the same one torch's fused CPU kernel makes for
 // bfloat16 inputs. Reference: attention/torch_ref.py (tests/unit/attention).
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>

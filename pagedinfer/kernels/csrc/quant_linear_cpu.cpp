@@ -28,7 +28,7 @@
 // - Q8 (544 bytes): codes int8 [8 vectors, 16 lanes, 4 bytes] (vector j, lane i: inputs
 //   4j..4j+3 of feature 16b+i), then scale as float16 [16].
 // The scales are the file's float16 values, widened in registers.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -2,7 +2,7 @@
 // dimension measured ~150-200 us per 49,152-wide row here (7 ms for a 32-row greedy step,
 // 40 ms for 200 rows); reading a row is ~5 us. Semantics are torch's: the first index of the
 // maximum, and a NaN counts as larger than anything (the first NaN wins).
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -4,7 +4,7 @@
 // kVec<T> is false or the CPU has no AVX-512.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
 
 #include <cmath>
 #include <cstdint>
