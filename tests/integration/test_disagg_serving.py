@@ -27,7 +27,7 @@ import pytest
 from tests.integration.conftest import free_port
 from tests.integration.server_proc import ServerProcess, small_engine_flags
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 aiohttp = pytest.importorskip("aiohttp")
 

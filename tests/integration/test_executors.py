@@ -20,6 +20,8 @@ from tests.integration.conftest import greedy_token_ids as _generate
 from tests.integration.conftest import kill_mid_generation
 from tests.model.tiny import make_tiny_llama_dir
 
+pytestmark = pytest.mark.integration
+
 
 def _shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))

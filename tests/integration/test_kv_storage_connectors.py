@@ -19,7 +19,7 @@ from pagedinfer import LLM, SamplingParams
 from pagedinfer.distributed.kv_transfer.base import layer_name
 from pagedinfer.distributed.kv_transfer.storage import prompt_store_key
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ENGINE = dict(dtype="float32", kv_cache_memory_bytes=96 << 20)
 BLOCK_SIZE = 16

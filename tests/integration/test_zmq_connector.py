@@ -29,7 +29,7 @@ from pagedinfer.distributed.kv_transfer.zmq_connector import PullReply, PullRequ
 from pagedinfer.entrypoints.llm import build_engine_config
 from tests.integration.server_proc import free_port
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.integration
 
 ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_memory_bytes=64 << 20)
 MAX_TOKENS = 8
