@@ -2,7 +2,8 @@
 
 Role: the single entry point that turns a model path into `(ModelArchConfig, state_dict)`, where
 the state dict uses Hugging Face Llama parameter names (`model.layers.{i}.self_attn.q_proj.weight`
-...). Model code (`model/llama.py`) consumes that dict and never sees file formats.
+...). Model code (`model/llama.py`, through `model/weights.py`) consumes that dict and never sees
+file formats; `rows=`/`wanted=` (`model/sharding.load_plan`) read only a rank's part.
 
 Invariants:
 - Tensors come back in the requested dtype (float32 or bfloat16), contiguous, on CPU.
@@ -12,7 +13,8 @@ Invariants:
   interleaves the two rotary halves of every head, and `_undo_rope_permutation` inverts that
   exactly, so the weights equal the original HF checkpoint up to quantisation.
 - Only the Llama architecture is understood for GGUF (no biases, no rope scaling); anything
-  else raises ValueError instead of loading silently wrong weights.
+  else raises ValueError instead of loading silently wrong weights. GGUF names map to HF
+  ones in `model/weights.py`.
 
 Callers: the worker's model loading, integration tests, and `export_hf_dir` (which writes a GGUF
 out as an HF directory for peers that cannot read GGUF, such as vLLM's CPU build).
@@ -24,15 +26,18 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pagedinfer.model.gguf import GGUFFile, find_default_model
-from pagedinfer.model.quant import QuantBlocks
+from pagedinfer.model.weights import gguf_to_hf_name
+
+if TYPE_CHECKING:
+    from pagedinfer.model.quant import QuantBlocks
+    from pagedinfer.model.sharding import RowPlan, WeightFilter
 
 __all__ = [
     "ModelArchConfig",
@@ -112,34 +117,6 @@ class ModelArchConfig:
 # GGUF
 # --------------------------------------------------------------------------------------------
 
-# llama.cpp tensor name -> HF name; `{i}` is the layer index.
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
-
-
-def _gguf_to_hf_name(name: str) -> str:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    match = _GGUF_LAYER_RE.match(name)
-    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {name!r} has no Llama equivalent; unsupported model")
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
-
 
 def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Invert llama.cpp's Q/K row permutation.
@@ -202,13 +179,6 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     )
 
 
-WeightFilter = Callable[[str], bool]
-"""HF weight name -> whether this process needs it (a pipeline stage skips other layers)."""
-RowPlan = Callable[[str], "tuple[int, int] | None"]
-"""HF weight name -> the rows [start, end) this process needs (a tensor-parallel shard), or
-None for all of them."""
-
-
 def _load_gguf(
     path: str,
     dtype: torch.dtype,
@@ -219,7 +189,7 @@ def _load_gguf(
     config = _gguf_config(gguf)
     weights: dict[str, torch.Tensor] = {}
     for name in gguf.tensor_names:
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name)
         if wanted is not None and not wanted(hf_name):
             continue
         span = rows(hf_name) if rows is not None else None
@@ -248,7 +218,7 @@ def load_quant_blocks(
     gguf = GGUFFile(resolved)
     out: dict[str, QuantBlocks] = {}
     for name in gguf.tensor_names:
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name)
         if wanted is not None and not wanted(hf_name):
             continue
         blocks = gguf.load_quant_blocks(name)

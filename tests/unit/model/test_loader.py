@@ -329,11 +329,11 @@ def test_export_hf_dir_round_trip(
 def test_load_plan_reads_exactly_a_ranks_shard(default_gguf_path: str) -> None:
     """A tensor-parallel rank's rows (read alone, `load_tensor_rows`) and a pipeline
     stage's layers equal the same slices of the whole matrices."""
-    from pagedinfer.model.llama import LlamaForCausalLM
     from pagedinfer.model.loader import load_model_config, load_model_weights
+    from pagedinfer.model.sharding import load_plan
 
     config = load_model_config(default_gguf_path)
-    wanted, rows = LlamaForCausalLM.load_plan(config, 1, 3, 1, 2)  # tp rank 1/3, stage 2/2
+    wanted, rows = load_plan(config, 1, 3, 1, 2)  # tp rank 1/3, stage 2/2
     _, full = load_model_weights(default_gguf_path, wanted=wanted)
     _, part = load_model_weights(default_gguf_path, wanted=wanted, rows=rows)
     assert set(part) == set(full)
