@@ -12,9 +12,9 @@ Invariants:
 - GGUF Q/K projections are returned in HF's rotate-half row layout: llama.cpp's converter
   interleaves the two rotary halves of every head, and `_undo_rope_permutation` inverts that
   exactly, so the weights equal the original HF checkpoint up to quantisation.
-- Only the Llama architecture is understood for GGUF (no biases, no rope scaling); anything
-  else raises ValueError instead of loading silently wrong weights. GGUF names map to HF
-  ones in `model/weights.py`.
+- Only the architectures `model/registry.py` lists are read (Llama: no biases, no rope
+  scaling); anything else raises ValueError, naming the supported ones, instead of loading
+  silently wrong weights. GGUF names map to HF ones in `model/weights.py`.
 
 Callers: the worker's model loading, integration tests, and `export_hf_dir` (which writes a GGUF
 out as an HF directory for peers that cannot read GGUF, such as vLLM's CPU build).
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from pagedinfer.model.gguf import GGUFFile, find_default_model
+from pagedinfer.model.registry import check_architecture, gguf_architecture
 from pagedinfer.model.weights import gguf_to_hf_name
 
 if TYPE_CHECKING:
@@ -137,8 +138,7 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    architecture = gguf_architecture(arch)  # refuses the families we do not run
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -176,6 +176,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in gguf,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=(int(eos),),
+        architecture=architecture,
     )
 
 
@@ -257,6 +258,7 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 def _hf_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
     """Config from config.json (+ generation_config.json); tied if declared or lm_head absent."""
     cfg = _read_json(os.path.join(model_dir, "config.json"))
+    architecture = check_architecture((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
     hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -283,7 +285,7 @@ def _hf_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
         tie_word_embeddings=tie,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos_ids),
-        architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
+        architecture=architecture,
         hidden_act=cfg.get("hidden_act", "silu"),
     )
 

@@ -33,6 +33,7 @@ from pagedinfer.model.loader import (
     load_model_weights,
     load_quant_blocks,
 )
+from pagedinfer.model.registry import get_model_class
 from pagedinfer.model.sharding import TPShard, load_plan
 from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
@@ -167,8 +168,9 @@ class Worker:
         )
         # Built on the meta device: load_weights installs the loaded tensors as parameters,
         # so the weights exist once in memory, not twice.
+        model_class = get_model_class(arch.architecture)
         with torch.device("meta"):
-            model = LlamaForCausalLM(arch, backend)
+            model = model_class(arch, backend)
         model.rotary = type(model.rotary)(
             arch.head_dim, max(arch.max_position_embeddings, max_position), arch.rope_theta
         )  # RoPE tables: real buffers, computed here

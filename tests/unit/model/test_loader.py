@@ -206,6 +206,15 @@ def _write_hf_dir(root: Path, tensors: dict[str, np.ndarray], tied: bool, sharde
     (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def test_hf_dir_of_another_architecture_rejected(tmp_path: Path) -> None:
+    _write_hf_dir(tmp_path, _tiny_hf_weights(tied=True), tied=True, sharded=False)
+    config = {**_hf_config_json(tied=True), "architectures": ["Qwen2ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for load in (load_model_config, load_model_weights):
+        with pytest.raises(ValueError, match="'Qwen2ForCausalLM' is not supported"):
+            load(str(tmp_path))
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_hf_dir_loads_untied(tmp_path: Path, sharded: bool) -> None:
     hf = _tiny_hf_weights(tied=False)
