@@ -9,26 +9,27 @@ reached through the `ForwardContext`.
 Numerics follow Hugging Face's Llama so that greedy outputs match it token for token in
 float32: RMSNorm in float32, RoPE cos/sin computed in float32 with the rotate-half layout,
 residual adds in the model dtype. Q/K/V and gate/up projections are fused into one matmul
-each at load time (`load_weights`).
+each at load time (`load_weights`, which `model/weights.py` implements).
 
 Tensor parallelism (`distributed/parallel_state.get_tp_group()`, a group of one unless the
 worker joined a larger one): each rank holds its share of the query heads (and of the KV
 heads, replicated when there are more ranks than KV heads), of the MLP's columns and of the
-vocabulary. The column-parallel projections (qkv, gate_up) need no communication; o_proj
-and down_proj are row-parallel and all-reduce their partial sums (two all-reduces per
-layer); the embedding masks ids outside its vocabulary range and all-reduces; the LM head's
-logits are all-gathered. Pipeline parallelism (`get_pp_group()`): a stage builds only its
-layers (`get_pp_indices`); the first embeds, the others continue from the previous stage's
-`(hidden, residual)`, and only the last applies the final norm.
+vocabulary (`model/sharding.TPShard`). The column-parallel projections (qkv, gate_up) need
+no communication; o_proj and down_proj are row-parallel and all-reduce their partial sums
+(two all-reduces per layer); the embedding masks ids outside its vocabulary range and
+all-reduces; the LM head's logits are all-gathered. Pipeline parallelism (`get_pp_group()`):
+a stage builds only its layers (`get_pp_indices`); the first embeds, the others continue
+from the previous stage's `(hidden, residual)`, and only the last applies the final norm.
+
+Callers: the worker builds it (through `model/registry.py`) and the model runner runs it;
+`spec_decode/` runs its first layers or reads its hidden states and LM head.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,63 +43,14 @@ from pagedinfer.distributed.parallel_state import (
     get_tp_group,
 )
 from pagedinfer.model.linear import Linear
-from pagedinfer.model.quant import GROUP_SIZE, QuantBlocks, QuantizedWeight, quantize_q8_0
+from pagedinfer.model.sharding import TPShard
+from pagedinfer.model.weights import install_quantized, install_weights
 
 if TYPE_CHECKING:
     from pagedinfer.model.loader import ModelArchConfig
+    from pagedinfer.model.quant import QuantBlocks, QuantizedWeight
 
-__all__ = ["LlamaForCausalLM", "TPShard", "VOCAB_PAD"]
-
-VOCAB_PAD = 64
-"""Each rank's vocabulary slice is a multiple of this many rows (vLLM pads to 64 too)."""
-
-
-@dataclass(frozen=True)
-class TPShard:
-    """What one tensor-parallel rank holds of a model (all sizes local to the rank)."""
-
-    rank: int
-    size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_start: int
-    vocab_per_rank: int
-
-    @classmethod
-    def of(cls, config: ModelArchConfig, rank: int, size: int) -> TPShard:
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if heads % size:
-            raise ValueError(
-                f"tensor_parallel_size {size} does not divide the model's {heads} attention heads"
-            )
-        if (size <= kv_heads and kv_heads % size) or (size > kv_heads and size % kv_heads):
-            raise ValueError(
-                f"tensor_parallel_size {size} and the model's {kv_heads} KV heads: one must "
-                f"divide the other"
-            )
-        if config.intermediate_size % size:
-            raise ValueError(
-                f"tensor_parallel_size {size} does not divide the MLP size "
-                f"{config.intermediate_size}"
-            )
-        unit = VOCAB_PAD * size
-        per_rank = -(-config.vocab_size // unit) * unit // size if size > 1 else config.vocab_size
-        return cls(
-            rank=rank,
-            size=size,
-            num_heads=heads // size,
-            num_kv_heads=max(kv_heads // size, 1),
-            intermediate_size=config.intermediate_size // size,
-            vocab_start=rank * per_rank,
-            vocab_per_rank=per_rank,
-        )
-
-    def kv_head_start(self, total_kv_heads: int) -> int:
-        """The first global KV head this rank holds (ranks share one when replicated)."""
-        if self.size <= total_kv_heads:
-            return self.rank * self.num_kv_heads
-        return self.rank // (self.size // total_kv_heads)
+__all__ = ["LlamaForCausalLM"]
 
 
 class RMSNorm(nn.Module):
@@ -290,22 +242,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-def shard_ranges(config: ModelArchConfig, shard: TPShard) -> dict[str, tuple[int, int]]:
-    """[start, end) of the rows (of q, k/v, gate/up, the vocabulary) or columns (of o_proj,
-    down_proj) of the full matrices that a tensor-parallel rank holds."""
-    hd = config.head_dim
-    q0 = shard.rank * shard.num_heads * hd
-    kv0 = shard.kv_head_start(config.num_key_value_heads) * hd
-    i0 = shard.rank * shard.intermediate_size
-    vocab_end = min(shard.vocab_start + shard.vocab_per_rank, config.vocab_size)
-    return {
-        "q": (q0, q0 + shard.num_heads * hd),
-        "kv": (kv0, kv0 + shard.num_kv_heads * hd),
-        "mlp": (i0, i0 + shard.intermediate_size),
-        "vocab": (shard.vocab_start, vocab_end),
-    }
-
-
 class VocabParallelEmbedding(nn.Module):
     """The embedding table's rows [vocab_start, vocab_start + vocab_per_rank) (zero rows past
     the vocabulary); ids outside the range look up zeros, and the all-reduce leaves each
@@ -324,7 +260,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [num_tokens, hidden]
         out.masked_fill_(outside[:, None], 0.0)
         return self.tp.all_reduce(out)
 
@@ -464,9 +400,9 @@ class LlamaForCausalLM(nn.Module):
         Tensor parallel: each rank's vocabulary slice, all-gathered, padding cut off.
         """
         if self.lm_head_quant is not None and hidden.shape[0] <= self.lm_head_quant_max_rows:
-            logits = self.lm_head_quant(hidden)
+            logits = self.lm_head_quant(hidden)  # [num_rows, vocab rows of this rank]
         else:
-            logits = F.linear(hidden, self.lm_head_weight)
+            logits = F.linear(hidden, self.lm_head_weight)  # [num_rows, vocab_per_rank]
         if self.tp.world_size == 1:
             return logits
         missing = self.shard.vocab_per_rank - logits.shape[1]
@@ -489,130 +425,17 @@ class LlamaForCausalLM(nn.Module):
         how many were packed."""
         return sum(m.prepack(batch_hint) for m in self.modules() if isinstance(m, Linear))
 
-    @staticmethod
-    def load_plan(
-        config: ModelArchConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
-    ) -> tuple[Callable[[str], bool], Callable[[str], tuple[int, int] | None]]:
-        """What one rank needs of the file, for `load_model_weights(wanted=, rows=)`: its
-        stage's layers (plus the embedding, norm and LM head where the stage uses them)
-        and, of the row-sharded matrices, its rows. `load_weights` cuts the rest (the
-        columns of o_proj and down_proj) and accepts whole or pre-cut matrices alike."""
-        shard = TPShard.of(config, tp_rank, tp_size)
-        ranges = shard_ranges(config, shard)
-        start, end = get_pp_indices(config.num_hidden_layers, pp_rank, pp_size)
-        first, last = pp_rank == 0, pp_rank == pp_size - 1
-        row_kind = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp",
-                    "up_proj": "mlp"}  # fmt: skip
-
-        def wanted(name: str) -> bool:
-            if name.startswith("model.layers."):
-                return start <= int(name.split(".")[2]) < end
-            if name == "model.embed_tokens.weight":
-                return first or (last and config.tie_word_embeddings)
-            return last  # the final norm and an untied LM head
-
-        def rows(name: str) -> tuple[int, int] | None:
-            if tp_size == 1:
-                return None
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                return ranges["vocab"]
-            kind = row_kind.get(name.rsplit(".", 2)[-2]) if name.endswith(".weight") else None
-            return ranges[kind] if kind is not None else None
-
-        return wanted, rows
-
-    def _shard_ranges(self) -> dict[str, tuple[int, int]]:
-        return shard_ranges(self.config, self.shard)
-
-    def _vocab_slice(self, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary rows of a [vocab_size, hidden] matrix (or of those rows
-        alone, as `load_plan` reads them), zero-padded to `vocab_per_rank` rows."""
-        lo, hi = self._shard_ranges()["vocab"]
-        part = weight if weight.shape[0] == hi - lo else weight[lo:hi]
-        missing = self.shard.vocab_per_rank - part.shape[0]
-        return F.pad(part, (0, 0, 0, missing)) if missing else part
-
-    @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Install HF-named Llama weights, fusing q/k/v and gate/up; every parameter must be
         covered exactly once. Under tensor/pipeline parallelism each rank takes only its
-        slices and its stage's layers; the rest is dropped as it is read.
+        slices and its stage's layers; the rest is dropped as it is read
+        (`model/weights.install_weights`).
 
         The loaded tensors *become* the parameters (no copy into preallocated ones), and
         `state_dict` is consumed as it goes, so peak memory stays near one copy of the
         weights. The model may therefore be built on the meta device.
         """
-        expected = {name for name, _ in self.named_parameters()}
-        loaded: set[str] = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            module_name, _, attr = name.rpartition(".")
-            module = self.get_submodule(module_name)
-            param = getattr(module, attr)
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
-                )
-            tensor = tensor.contiguous()
-            if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-                # A shard is a view of the whole matrix: copy it, so the rest can be freed.
-                tensor = tensor.clone()
-            setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
-            loaded.add(name)
-
-        sd = state_dict
-        r = self._shard_ranges()
-
-        def rows(t: torch.Tensor, kind: str) -> torch.Tensor:
-            """This rank's rows of `t`, unless `load_plan` already read only those."""
-            lo, hi = r[kind]
-            return t if t.shape[0] == hi - lo else t[lo:hi]
-
-        q, mlp = slice(*r["q"]), slice(*r["mlp"])
-        embed = sd.pop("model.embed_tokens.weight", None)
-        if self.embed_tokens is not None:
-            assert embed is not None, "model.embed_tokens.weight was not loaded"
-            put("embed_tokens.weight", self._vocab_slice(embed))
-        del embed
-        norm = sd.pop("model.norm.weight", None)
-        if self.norm is not None:
-            assert norm is not None, "model.norm.weight was not loaded"
-            put("norm.weight", norm)
-        head = sd.pop("lm_head.weight", None)
-        if self.lm_head is not None:
-            assert head is not None, "an untied model without lm_head.weight"
-            put("lm_head.weight", self._vocab_slice(head))
-        del head
-        for i in range(self.config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            names = [k for k in sd if k.startswith(p)]
-            if not self.layer_start <= i < self.layer_end:
-                for k in names:  # another pipeline stage's layer
-                    del sd[k]
-                continue
-            m = f"layers.{i - self.layer_start}."
-            qkv = [
-                rows(sd.pop(p + "self_attn.q_proj.weight"), "q"),
-                rows(sd.pop(p + "self_attn.k_proj.weight"), "kv"),
-                rows(sd.pop(p + "self_attn.v_proj.weight"), "kv"),
-            ]
-            put(m + "self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
-            put(m + "self_attn.o_proj.weight", sd.pop(p + "self_attn.o_proj.weight")[:, q])
-            gate_up = [rows(sd.pop(p + f"mlp.{n}_proj.weight"), "mlp") for n in ("gate", "up")]
-            put(m + "mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
-            put(m + "mlp.down_proj.weight", sd.pop(p + "mlp.down_proj.weight")[:, mlp])
-            put(m + "input_layernorm.weight", sd.pop(p + "input_layernorm.weight"))
-            put(
-                m + "post_attention_layernorm.weight",
-                sd.pop(p + "post_attention_layernorm.weight"),
-            )
-        # Rotary inverse frequencies are recomputed, never loaded.
-        leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
-        if leftover:
-            raise ValueError(f"Unexpected weights: {leftover[:5]}")
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"Missing weights: {sorted(missing)[:5]}")
+        install_weights(self, state_dict)
 
     def load_quantized(
         self,
@@ -621,7 +444,8 @@ class LlamaForCausalLM(nn.Module):
         max_rows: int,
         quantize_lm_head: bool,
     ) -> int:
-        """Give steps of <= max_rows rows the file's own quantised matrices (`model/quant`).
+        """Give steps of <= max_rows rows the file's own quantised matrices (`model/quant`,
+        installed by `model/weights.install_quantized`).
 
         A fused projection (qkv, gate_up) gets them when all its parts are stored in one
         format. The LM head uses the file's Q8_0/Q4 copy of its matrix (tied: the
@@ -629,50 +453,4 @@ class LlamaForCausalLM(nn.Module):
         batch 1 the LM head is the largest single read of a step; float32 models keep their
         exact weights). Returns the number of matrices given a quantised path.
         """
-        count = 0
-        r = self._shard_ranges()
-        q, kv, mlp = (np.arange(*r[k]) for k in ("q", "kv", "mlp"))
-        # Per fused part: (HF name, rows kept, columns kept); None keeps all.
-        fused: dict[str, tuple[tuple[str, np.ndarray | None, tuple[int, int] | None], ...]] = {
-            "self_attn.qkv_proj": (
-                ("self_attn.q_proj", q, None),
-                ("self_attn.k_proj", kv, None),
-                ("self_attn.v_proj", kv, None),
-            ),
-            "self_attn.o_proj": (("self_attn.o_proj", None, r["q"]),),
-            "mlp.gate_up_proj": (("mlp.gate_proj", mlp, None), ("mlp.up_proj", mlp, None)),
-            "mlp.down_proj": (("mlp.down_proj", None, r["mlp"]),),
-        }
-        sharded = self.tp.world_size > 1
-        for local, layer in enumerate(self.layers):
-            i = self.layer_start + local
-            for target, parts in fused.items():
-                names = [f"model.layers.{i}.{p}.weight" for p, _, _ in parts]
-                if not all(n in blocks for n in names):
-                    continue
-                pieces = []
-                for name, (_, rows, cols) in zip(names, parts):
-                    b = blocks[name]
-                    if sharded and rows is not None:
-                        b = b.take_rows(rows)
-                    if sharded and cols is not None:
-                        b = b.take_cols(*cols)
-                    pieces.append(b)
-                joined = QuantBlocks.concat(pieces)
-                if joined is not None:
-                    quant = QuantizedWeight(joined, kernels)
-                    layer.get_submodule(target).set_quant(quant, max_rows)
-                    count += 1
-        if not self.pp.is_last_rank:
-            return count
-        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        head_blocks = blocks.get(head_name)
-        if head_blocks is not None and sharded:
-            head_blocks = head_blocks.take_rows(np.arange(*r["vocab"]))
-        if head_blocks is None and quantize_lm_head and self.config.hidden_size % GROUP_SIZE == 0:
-            head_blocks = quantize_q8_0(self.lm_head_weight[: r["vocab"][1] - r["vocab"][0]])
-        if head_blocks is not None:
-            self.lm_head_quant = QuantizedWeight(head_blocks, kernels)
-            self.lm_head_quant_max_rows = max_rows
-            count += 1
-        return count
+        return install_quantized(self, blocks, kernels, max_rows, quantize_lm_head)

@@ -2,7 +2,8 @@
 
 Role: the single entry point that turns a model path into `(ModelArchConfig, state_dict)`, where
 the state dict uses Hugging Face Llama parameter names (`model.layers.{i}.self_attn.q_proj.weight`
-...). Model code (`model/llama.py`) consumes that dict and never sees file formats.
+...). Model code (`model/llama.py`, through `model/weights.py`) consumes that dict and never sees
+file formats; `rows=`/`wanted=` (`model/sharding.load_plan`) read only a rank's part.
 
 Invariants:
 - Tensors come back in the requested dtype (float32 or bfloat16), contiguous, on CPU.
@@ -11,8 +12,9 @@ Invariants:
 - GGUF Q/K projections are returned in HF's rotate-half row layout: llama.cpp's converter
   interleaves the two rotary halves of every head, and `_undo_rope_permutation` inverts that
   exactly, so the weights equal the original HF checkpoint up to quantisation.
-- Only the Llama architecture is understood for GGUF (no biases, no rope scaling); anything
-  else raises ValueError instead of loading silently wrong weights.
+- Only the architectures `model/registry.py` lists are read (Llama: no biases, no rope
+  scaling); anything else raises ValueError, naming the supported ones, instead of loading
+  silently wrong weights. GGUF names map to HF ones in `model/weights.py`.
 
 Callers: the worker's model loading, integration tests, and `export_hf_dir` (which writes a GGUF
 out as an HF directory for peers that cannot read GGUF, such as vLLM's CPU build).
@@ -24,15 +26,19 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pagedinfer.model.gguf import GGUFFile, find_default_model
-from pagedinfer.model.quant import QuantBlocks
+from pagedinfer.model.registry import check_architecture, gguf_architecture
+from pagedinfer.model.weights import gguf_to_hf_name
+
+if TYPE_CHECKING:
+    from pagedinfer.model.quant import QuantBlocks
+    from pagedinfer.model.sharding import RowPlan, WeightFilter
 
 __all__ = [
     "ModelArchConfig",
@@ -112,34 +118,6 @@ class ModelArchConfig:
 # GGUF
 # --------------------------------------------------------------------------------------------
 
-# llama.cpp tensor name -> HF name; `{i}` is the layer index.
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
-
-
-def _gguf_to_hf_name(name: str) -> str:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    match = _GGUF_LAYER_RE.match(name)
-    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {name!r} has no Llama equivalent; unsupported model")
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
-
 
 def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Invert llama.cpp's Q/K row permutation.
@@ -160,8 +138,7 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    architecture = gguf_architecture(arch)  # refuses the families we do not run
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -199,14 +176,8 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in gguf,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=(int(eos),),
+        architecture=architecture,
     )
-
-
-WeightFilter = Callable[[str], bool]
-"""HF weight name -> whether this process needs it (a pipeline stage skips other layers)."""
-RowPlan = Callable[[str], "tuple[int, int] | None"]
-"""HF weight name -> the rows [start, end) this process needs (a tensor-parallel shard), or
-None for all of them."""
 
 
 def _load_gguf(
@@ -219,7 +190,7 @@ def _load_gguf(
     config = _gguf_config(gguf)
     weights: dict[str, torch.Tensor] = {}
     for name in gguf.tensor_names:
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name)
         if wanted is not None and not wanted(hf_name):
             continue
         span = rows(hf_name) if rows is not None else None
@@ -248,7 +219,7 @@ def load_quant_blocks(
     gguf = GGUFFile(resolved)
     out: dict[str, QuantBlocks] = {}
     for name in gguf.tensor_names:
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name)
         if wanted is not None and not wanted(hf_name):
             continue
         blocks = gguf.load_quant_blocks(name)
@@ -287,6 +258,7 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 def _hf_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
     """Config from config.json (+ generation_config.json); tied if declared or lm_head absent."""
     cfg = _read_json(os.path.join(model_dir, "config.json"))
+    architecture = check_architecture((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
     hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -313,7 +285,7 @@ def _hf_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
         tie_word_embeddings=tie,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos_ids),
-        architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
+        architecture=architecture,
         hidden_act=cfg.get("hidden_act", "silu"),
     )
 

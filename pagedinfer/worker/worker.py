@@ -26,13 +26,15 @@ from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnector
 from pagedinfer.distributed.kv_transfer.base import layer_name as kv_layer_name
 from pagedinfer.distributed.kv_transfer.factory import create_connector
 from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, init_distributed
-from pagedinfer.model.llama import LlamaForCausalLM, TPShard
+from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import (
     ModelArchConfig,
     load_model_config,
     load_model_weights,
     load_quant_blocks,
 )
+from pagedinfer.model.registry import get_model_class
+from pagedinfer.model.sharding import TPShard, load_plan
 from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
@@ -150,7 +152,7 @@ class Worker:
         wanted = rows = None
         if tp.world_size * pp.world_size > 1:
             # Read only this rank's layers and rows of the file, not the whole model.
-            wanted, rows = LlamaForCausalLM.load_plan(
+            wanted, rows = load_plan(
                 load_model_config(path),
                 tp.rank_in_group,
                 tp.world_size,
@@ -166,8 +168,9 @@ class Worker:
         )
         # Built on the meta device: load_weights installs the loaded tensors as parameters,
         # so the weights exist once in memory, not twice.
+        model_class = get_model_class(arch.architecture)
         with torch.device("meta"):
-            model = LlamaForCausalLM(arch, backend)
+            model = model_class(arch, backend)
         model.rotary = type(model.rotary)(
             arch.head_dim, max(arch.max_position_embeddings, max_position), arch.rope_theta
         )  # RoPE tables: real buffers, computed here

@@ -206,6 +206,15 @@ def _write_hf_dir(root: Path, tensors: dict[str, np.ndarray], tied: bool, sharde
     (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def test_hf_dir_of_another_architecture_rejected(tmp_path: Path) -> None:
+    _write_hf_dir(tmp_path, _tiny_hf_weights(tied=True), tied=True, sharded=False)
+    config = {**_hf_config_json(tied=True), "architectures": ["Qwen2ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for load in (load_model_config, load_model_weights):
+        with pytest.raises(ValueError, match="'Qwen2ForCausalLM' is not supported"):
+            load(str(tmp_path))
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_hf_dir_loads_untied(tmp_path: Path, sharded: bool) -> None:
     hf = _tiny_hf_weights(tied=False)
@@ -329,11 +338,11 @@ def test_export_hf_dir_round_trip(
 def test_load_plan_reads_exactly_a_ranks_shard(default_gguf_path: str) -> None:
     """A tensor-parallel rank's rows (read alone, `load_tensor_rows`) and a pipeline
     stage's layers equal the same slices of the whole matrices."""
-    from pagedinfer.model.llama import LlamaForCausalLM
     from pagedinfer.model.loader import load_model_config, load_model_weights
+    from pagedinfer.model.sharding import load_plan
 
     config = load_model_config(default_gguf_path)
-    wanted, rows = LlamaForCausalLM.load_plan(config, 1, 3, 1, 2)  # tp rank 1/3, stage 2/2
+    wanted, rows = load_plan(config, 1, 3, 1, 2)  # tp rank 1/3, stage 2/2
     _, full = load_model_weights(default_gguf_path, wanted=wanted)
     _, part = load_model_weights(default_gguf_path, wanted=wanted, rows=rows)
     assert set(part) == set(full)

@@ -1,0 +1,81 @@
+"""Model architectures pagedinfer can run: architecture name -> model class (lazy import).
+
+Role: the one table of supported architectures. A Hugging Face checkpoint names its class in
+`config.json`'s `architectures`; a GGUF file names its family in `general.architecture`
+(llama.cpp's names), which `gguf_architecture` maps to the HF class name. `get_model_class`
+imports the model's module only when asked, so reading a config never imports model code.
+
+Invariants:
+- An architecture not in the table is refused with a ValueError that lists the supported
+  ones, before any weights are read: a checkpoint of another family would otherwise load
+  into the wrong modules (or fail later with a less useful message).
+- Every registered class has `LlamaForCausalLM`'s interface: built from
+  `(ModelArchConfig, AttentionBackend)`, with `load_weights`, `load_quantized`, `forward`,
+  `forward_stage`, `compute_logits` and the TP/PP attributes the worker reads.
+
+Callers: the loader (validating the architecture while reading a config) and the worker
+(building the model).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedinfer.model.llama import LlamaForCausalLM
+
+__all__ = [
+    "check_architecture",
+    "get_model_class",
+    "gguf_architecture",
+    "supported_architectures",
+]
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+}
+"""HF architecture name -> (module, class name)."""
+
+_GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+}
+"""GGUF `general.architecture` -> HF architecture name."""
+
+
+def supported_architectures() -> list[str]:
+    """The HF architecture names pagedinfer runs, sorted."""
+    return sorted(_MODELS)
+
+
+def _quoted(names: list[str]) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+def check_architecture(architecture: str) -> str:
+    """`architecture` if it is supported, else ValueError naming the supported ones."""
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"Model architecture {architecture!r} is not supported "
+            f"(supported: {_quoted(supported_architectures())})"
+        )
+    return architecture
+
+
+def gguf_architecture(name: object) -> str:
+    """A GGUF file's `general.architecture` -> the HF architecture name, else ValueError
+    naming the supported GGUF architectures."""
+    architecture = _GGUF_ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if architecture is None:
+        raise ValueError(
+            f"GGUF architecture {name!r} is not supported "
+            f"(supported: {_quoted(sorted(_GGUF_ARCHITECTURES))})"
+        )
+    return architecture
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The model class of a supported HF architecture name (its module imported now)."""
+    module_name, class_name = _MODELS[check_architecture(architecture)]
+    model_class: type[LlamaForCausalLM] = getattr(importlib.import_module(module_name), class_name)
+    return model_class

@@ -1,0 +1,179 @@
+"""Checkpoint weights onto a Llama model's parameters: names, fusion, TP slices, quant blocks.
+
+Role: the seam between the loader's HF-named tensors (`model/loader.py`) and the model's
+own parameters (`model/llama.py`). `gguf_to_hf_name` maps llama.cpp tensor names to Hugging
+Face ones (the loader reads GGUF files under HF names); `install_weights` fuses q/k/v and
+gate/up (`sharding.PROJECTIONS`), keeps this rank's slices and stage's layers and makes the
+tensors the parameters; `install_quantized` gives the projections the file's own quantised
+blocks, cut the same way.
+
+Invariants:
+- `install_weights` covers every parameter exactly once and refuses leftovers; it consumes
+  the state dict as it goes and installs the loaded tensors themselves (no copy into
+  preallocated parameters), so peak memory stays near one copy of the weights and the
+  model may be built on the meta device.
+- A matrix may arrive whole or already cut to this rank's rows (`sharding.load_plan`);
+  both give the same parameters.
+
+Callers: `LlamaForCausalLM.load_weights` / `load_quantized` (the worker calls those) and
+the loader (`gguf_to_hf_name`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedinfer.model.quant import GROUP_SIZE, QuantBlocks, QuantizedWeight, quantize_q8_0
+from pagedinfer.model.sharding import PROJECTIONS, keep_part, shard_ranges, vocab_slice
+
+if TYPE_CHECKING:
+    from pagedinfer.model.llama import LlamaForCausalLM
+
+__all__ = ["gguf_to_hf_name", "install_quantized", "install_weights"]
+
+# llama.cpp tensor name -> HF name; `{i}` is the layer index.
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+"""A decoder layer's unsharded weights besides `PROJECTIONS` (same name in file and model)."""
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """A llama.cpp tensor name -> its Hugging Face Llama name; ValueError if it has none."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_LAYER_RE.match(name)
+    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} has no Llama equivalent; unsupported model")
+    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
+
+
+@torch.no_grad()
+def install_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+    """Install HF-named Llama weights into `model` (see the module invariants); under
+    tensor/pipeline parallelism only this rank's slices and its stage's layers, dropping
+    the rest as it goes. ValueError on a shape mismatch, a leftover or a missing weight."""
+    expected = {name for name, _ in model.named_parameters()}
+    loaded: set[str] = set()
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, attr)
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+            )
+        tensor = tensor.contiguous()
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            # A shard is a view of the whole matrix: copy it, so the rest can be freed.
+            tensor = tensor.clone()
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+        loaded.add(name)
+
+    sd = state_dict
+    config, shard = model.config, model.shard
+    ranges = shard_ranges(config, shard)
+    embed = sd.pop("model.embed_tokens.weight", None)
+    if model.embed_tokens is not None:
+        assert embed is not None, "model.embed_tokens.weight was not loaded"
+        put("embed_tokens.weight", vocab_slice(embed, config, shard))
+    del embed
+    norm = sd.pop("model.norm.weight", None)
+    if model.norm is not None:
+        assert norm is not None, "model.norm.weight was not loaded"
+        put("norm.weight", norm)
+    head = sd.pop("lm_head.weight", None)
+    if model.lm_head is not None:
+        assert head is not None, "an untied model without lm_head.weight"
+        put("lm_head.weight", vocab_slice(head, config, shard))
+    del head
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        if not model.layer_start <= i < model.layer_end:
+            for k in [k for k in sd if k.startswith(p)]:  # another pipeline stage's layer
+                del sd[k]
+            continue
+        m = f"layers.{i - model.layer_start}."
+        for target, parts in PROJECTIONS.items():
+            pieces = [keep_part(sd.pop(f"{p}{part.name}.weight"), part, ranges) for part in parts]
+            put(f"{m}{target}.weight", pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        for name in _LAYER_NORMS:
+            put(f"{m}{name}.weight", sd.pop(f"{p}{name}.weight"))
+    # Rotary inverse frequencies are recomputed, never loaded.
+    leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(f"Unexpected weights: {leftover[:5]}")
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"Missing weights: {sorted(missing)[:5]}")
+
+
+def install_quantized(
+    model: LlamaForCausalLM,
+    blocks: dict[str, QuantBlocks],
+    kernels: Any,
+    max_rows: int,
+    quantize_lm_head: bool,
+) -> int:
+    """Give `model`'s steps of <= max_rows rows the file's own quantised matrices
+    (`model/quant`); the contract is `LlamaForCausalLM.load_quantized`'s. Returns the
+    number of matrices given a quantised path."""
+    count = 0
+    ranges = shard_ranges(model.config, model.shard)
+    row_ids = {kind: np.arange(*ranges[kind]) for kind in ("q", "kv", "mlp")}
+    sharded = model.tp.world_size > 1
+    for local, layer in enumerate(model.layers):
+        i = model.layer_start + local
+        for target, parts in PROJECTIONS.items():
+            names = [f"model.layers.{i}.{part.name}.weight" for part in parts]
+            if not all(n in blocks for n in names):
+                continue
+            pieces = []
+            for name, part in zip(names, parts):
+                b = blocks[name]
+                if sharded and part.rows is not None:
+                    b = b.take_rows(row_ids[part.rows])
+                if sharded and part.cols is not None:
+                    b = b.take_cols(*ranges[part.cols])
+                pieces.append(b)
+            joined = QuantBlocks.concat(pieces)
+            if joined is not None:
+                quant = QuantizedWeight(joined, kernels)
+                layer.get_submodule(target).set_quant(quant, max_rows)
+                count += 1
+    if not model.pp.is_last_rank:
+        return count
+    head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    head_blocks = blocks.get(head_name)
+    lo, hi = ranges["vocab"]
+    if head_blocks is not None and sharded:
+        head_blocks = head_blocks.take_rows(np.arange(lo, hi))
+    if head_blocks is None and quantize_lm_head and model.config.hidden_size % GROUP_SIZE == 0:
+        head_blocks = quantize_q8_0(model.lm_head_weight[: hi - lo])
+    if head_blocks is not None:
+        model.lm_head_quant = QuantizedWeight(head_blocks, kernels)
+        model.lm_head_quant_max_rows = max_rows
+        count += 1
+    return count
