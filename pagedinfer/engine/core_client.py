@@ -5,7 +5,7 @@ All have the same interface:
   the event loop, so an abort can be sent from a generator's cleanup);
 - `await get_output()`: the next `EngineCoreOutputs`; raises `EngineDeadError` once the
   engine is gone;
-- `await call_utility(method, *args)`: one of `core_proc.UTILITY_METHODS`;
+- `await call_utility(method, *args)`: one of `protocol.UTILITY_METHODS`;
 - `info` (`EngineCoreReady`), `is_dead`, `shutdown()`.
 
 `AsyncMPClient` (the default, vLLM's design): the engine core runs in its own process
@@ -46,17 +46,16 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import EngineConfig, config_to_json
 from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
-from pagedinfer.engine.core_proc import (
+from pagedinfer.engine.core_proc import run_engine_core
+from pagedinfer.engine.protocol import (
     UTILITY_METHODS,
     EngineCoreReady,
     InputKind,
     OutputKind,
     UtilityCall,
     UtilityResult,
-    config_to_json,
-    run_engine_core,
 )
 from pagedinfer.executor.ray_executor import _connected, _first_line
 
@@ -104,7 +103,7 @@ class EngineCoreClient:
 
 class SocketClient(EngineCoreClient):
     """An engine core in another process, driven over two ZMQ sockets bound here (the wire
-    protocol in `core_proc`). A subclass says where the sockets are bound (`_bind`) and
+    protocol in `protocol.py`). A subclass says where the sockets are bound (`_bind`) and
     starts, watches and stops the engine's process (`_start_engine`, `_startup_failure`,
     `_wait_engine_gone`, `_stop_engine`)."""
 

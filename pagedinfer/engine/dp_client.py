@@ -77,7 +77,7 @@ from pagedinfer.engine.core_client import (
     SocketClient,
     engine_core_actor_class,
 )
-from pagedinfer.engine.core_proc import UTILITY_METHODS, EngineCoreReady
+from pagedinfer.engine.protocol import UTILITY_METHODS, EngineCoreReady
 from pagedinfer.executor.ray_executor import _connected, connect_to_cluster
 
 logger = logging.getLogger("pagedinfer")

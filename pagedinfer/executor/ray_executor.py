@@ -66,10 +66,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import EngineConfig, config_from_json, config_to_json
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
-from pagedinfer.engine.core_proc import config_from_json, config_to_json
 from pagedinfer.executor.base import Executor, ExecutorFailed, ModelInfo
 from pagedinfer.executor.messages import (
     WORKER_UTILITY_METHODS,
@@ -85,6 +84,7 @@ from pagedinfer.executor.messages import (
     WorkerReply,
 )
 from pagedinfer.executor.worker_proc import handle_call
+from pagedinfer.logging_utils import setup_worker_logging
 
 logger = logging.getLogger("pagedinfer")
 
@@ -120,11 +120,7 @@ class RayWorkerWrapper:
     importing this module does not import Ray). It holds the `Worker` and the codec."""
 
     def __init__(self, rank: int, config_json: str) -> None:
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"%(levelname)s %(asctime)s [worker {rank}] %(message)s",
-            datefmt="%H:%M:%S",
-        )
+        setup_worker_logging(rank)
         self.rank = rank
         self.config = config_from_json(config_json)
         par = self.config.parallel_config

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.model.gguf import GGUFFile, find_default_model
+from pagedinfer.gguf_metadata import find_default_model
+from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.quant import QuantBlocks
 
 __all__ = [

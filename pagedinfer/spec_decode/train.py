@@ -633,7 +633,7 @@ def _head_config(
 def target_name(model: str | None) -> str:
     """A stable name for the target: the GGUF file's (or model directory's) basename."""
     if model is None:
-        from pagedinfer.model.gguf import find_default_model
+        from pagedinfer.gguf_metadata import find_default_model
 
         model = find_default_model()
     return os.path.basename(os.path.normpath(model))

@@ -161,13 +161,13 @@ def test_medusa_heads_read_the_feature_that_produced_the_new_token(tmp_path, tar
 def test_the_default_model_gets_its_shipped_heads(tmp_path, method: str) -> None:
     import os
 
-    from pagedinfer.config import EngineConfig, ModelConfig
-    from pagedinfer.model.gguf import DEFAULT_MODEL_FILE
-    from pagedinfer.spec_decode.heads import TRAINED_DIR, load_heads
+    from pagedinfer.config import SHIPPED_HEADS_DIR, EngineConfig, ModelConfig
+    from pagedinfer.gguf_metadata import DEFAULT_MODEL_FILE
+    from pagedinfer.spec_decode.heads import load_heads
 
     spec = SpeculativeConfig(method=method, num_speculative_tokens=3)
     path = EngineConfig(speculative_config=spec).speculative_config.model
-    assert path == os.path.join(TRAINED_DIR, f"smollm2-135m-instruct-{method}.safetensors")
+    assert path == os.path.join(SHIPPED_HEADS_DIR, f"smollm2-135m-instruct-{method}.safetensors")
     _, config, vocab, record = load_heads(path)
     assert config.target == DEFAULT_MODEL_FILE and len(vocab) == config.draft_vocab_size
     assert config.num_medusa_heads == (5 if method == "medusa" else 0)  # k up to 5
