@@ -48,6 +48,7 @@ import msgspec
 
 from pagedinfer.config import EngineConfig, config_to_json
 from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedinfer.distributed.ray_utils import first_line, ray_is_connected
 from pagedinfer.engine.core_proc import run_engine_core
 from pagedinfer.engine.protocol import (
     UTILITY_METHODS,
@@ -57,7 +58,6 @@ from pagedinfer.engine.protocol import (
     UtilityCall,
     UtilityResult,
 )
-from pagedinfer.executor.ray_executor import _connected, _first_line
 
 logger = logging.getLogger("pagedinfer")
 
@@ -462,7 +462,7 @@ class RayMPClient(SocketClient):
         try:
             ray.get(self._run_ref)
         except Exception as exc:
-            return _first_line(exc)
+            return first_line(exc)
         return "its engine core exited"
 
     def _startup_failure(self) -> str | None:
@@ -477,7 +477,7 @@ class RayMPClient(SocketClient):
 
         # Polls `_closed`: `shutdown` joins this thread, which must make no Ray call after
         # the connection is closed (Ray would answer it by starting a local cluster).
-        while not self._closed and _connected():
+        while not self._closed and ray_is_connected():
             try:
                 done, _ = ray.wait([self._run_ref], timeout=1.0)
             except Exception as exc:  # pragma: no cover - the connection broke
@@ -490,7 +490,7 @@ class RayMPClient(SocketClient):
     def _stop_engine(self) -> None:
         import ray
 
-        if not _connected():  # the actor went with the connection
+        if not ray_is_connected():  # the actor went with the connection
             return
         try:
             if not ray.wait([self._run_ref], timeout=0)[0]:
