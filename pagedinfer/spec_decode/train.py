@@ -173,7 +173,7 @@ def compute_features(
     `aux_layers`, also the residual stream after those layers (bfloat16: it is 2-3 times
     the size of the features)."""
     from pagedinfer.attention.backend import ForwardContext, set_forward_context
-    from pagedinfer.worker.model_runner import make_attention_metadata
+    from pagedinfer.attention.metadata import make_attention_metadata
 
     worker = llm.llm_engine.engine_core.executor.worker
     model, backend, arch = worker.model, worker.backend, worker.arch

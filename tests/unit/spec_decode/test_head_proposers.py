@@ -15,7 +15,7 @@ from pagedinfer.model.loader import load_model_weights
 from pagedinfer.spec_decode.head_proposers import EagleProposer, MedusaProposer
 from pagedinfer.spec_decode.heads import EagleHead, HeadConfig, MedusaHeads, save_heads
 from pagedinfer.spec_decode.proposer import DraftBatch, StepRun
-from pagedinfer.worker.model_runner import CachedRequestState
+from pagedinfer.worker.request_state import CachedRequestState
 from tests.model.tiny import make_tiny_llama_dir
 
 BLOCK = 4
@@ -188,7 +188,7 @@ def test_aux_layers_are_the_residual_stream_after_each_layer(target) -> None:
     """forward_with_aux's hidden is forward's, and the final norm of layer i's aux part is
     what a forward through the first i + 1 layers returns."""
     from pagedinfer.attention.backend import ForwardContext, set_forward_context
-    from pagedinfer.worker.model_runner import make_attention_metadata
+    from pagedinfer.attention.metadata import make_attention_metadata
 
     model, backend = target
     arch = model.config
