@@ -73,9 +73,9 @@ class ModelConfig:
     equal the dense path's up to summation order), 16-bit ones are rounded to int8 per
     group of 32 on CPUs with AVX512-VNNI (as llama.cpp does). Larger steps use the dense
     weights, faster once the product is compute-bound: on the default model the quantised
-    path still won at 32 rows and lost at 64 (docs/benchmarks.md, session 9; the default
-    was 8 before, which sent a batch-4 speculative verify step of 16 rows to the dense
-    weights). Needs the cpu_paged backend's C++ build; 0 disables."""
+    path still won at 32 rows and lost at 64 (docs/benchmarks.md), and 32 keeps a batch-4
+    speculative verify step (16 rows) on the quantised path. Needs the cpu_paged backend's
+    C++ build; 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
 
@@ -139,7 +139,7 @@ SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
 
 DEFAULT_DISABLE_BY_BATCH_SIZE: dict[str, int] = {
     # Paired runs against plain decoding, ShareGPT, k=3, bf16, 2 cores, batches 1/2/4/8
-    # (docs/benchmarks.md, session 9): ngram 1.26/1.02/1.06/0.85x, EAGLE 0.99/0.92/0.78/
+    # (docs/benchmarks.md): ngram 1.26/1.02/1.06/0.85x, EAGLE 0.99/0.92/0.78/
     # 0.70x, Medusa 1.10/1.13/0.90/0.81x.
     "ngram": 4,
     "eagle": 2,
