@@ -1,5 +1,7 @@
-"""The `pagedinfer` command line: `generate` (one-shot) and `chat` (interactive, streaming),
-`serve`, `disagg-proxy`, `trace`, `bench` and `train-draft`.
+"""The `pagedinfer` command line: `generate` (one-shot) and `chat` (interactive, streaming).
+
+Also `serve` (the OpenAI-compatible server), `disagg-proxy`, `trace`, `bench` and
+`train-draft`.
 
 Engine flags come from `engine/arg_utils.py`, which generates them from the config
 dataclasses (every field becomes `--field-name`, with its docstring as help), so the CLI,
