@@ -382,7 +382,7 @@ def shipped_heads_path(method: str, model: str | None) -> str | None:
 
 # ------------------------------------------------------------------ option routing and JSON
 
-FLAT_OPTION_SECTIONS = (
+FLAT_OPTION_SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("model_config", ModelConfig),
     ("cache_config", CacheConfig),
     ("scheduler_config", SchedulerConfig),

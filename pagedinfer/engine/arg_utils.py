@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for _, cls in FLAT_OPTION_SECTIONS:
         hints = typing.get_type_hints(cls)
-        fields = cls.__pydantic_fields__  # type: ignore[attr-defined]
+        fields = cls.__pydantic_fields__
         for f in dataclasses.fields(cls):
             if f.name == "model":
                 continue  # positional argument

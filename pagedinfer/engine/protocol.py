@@ -94,7 +94,7 @@ UTILITY_METHODS = frozenset(
 )
 
 
-_INPUT_DECODERS = {
+_INPUT_DECODERS: dict[InputKind, msgspec.msgpack.Decoder[Any]] = {
     InputKind.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     InputKind.ABORT: msgspec.msgpack.Decoder(list[str]),
     InputKind.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
