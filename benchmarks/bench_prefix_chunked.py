@@ -33,8 +33,8 @@ from common import DEFAULT_WORKLOAD, load_workload, log  # noqa: E402
 
 
 def _engine(**kwargs):
+    from pagedinfer.config import build_engine_config
     from pagedinfer.engine.llm_engine import LLMEngine
-    from pagedinfer.entrypoints.llm import build_engine_config
 
     opts = {"max_model_len": 4096, "log_stats_interval_s": 0}
     opts.update(kwargs)

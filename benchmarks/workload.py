@@ -44,7 +44,7 @@ def load_encoder(spec: str | None) -> Callable[[str], list[int]]:
     from pagedinfer.tokenizer import Tokenizer as PagedTokenizer
 
     if spec is None:
-        from pagedinfer.model.gguf import find_default_model
+        from pagedinfer.gguf_metadata import find_default_model
 
         spec = find_default_model()
     tok = (

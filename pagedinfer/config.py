@@ -1,19 +1,29 @@
 """Engine configuration: one pydantic dataclass per concern, aggregated into `EngineConfig`.
 
 Every field has a type, a default and a docstring; the docstrings double as CLI help (see
-`entrypoints/cli.py`). The front end builds `EngineConfig` once and never mutates it; values
-that are only known at runtime (the number of KV blocks, the model's context length) are
-returned by the worker and passed on explicitly instead of being written back here.
-Nothing in this module reads the environment (that is `envs.py`'s job).
+`engine/arg_utils.py`). The front end builds `EngineConfig` once (`build_engine_config` routes
+flat `LLM(...)` keyword options to their sections) and never mutates it; values that are only
+known at runtime (the number of KV blocks, the model's context length) are returned by the
+worker and passed on explicitly instead of being written back here. Every other process gets
+the same config as JSON (`config_to_json` / `config_from_json`: the engine core process, the
+executor's workers, Ray actors). Nothing in this module reads the environment.
+
+A leaf module: it imports no other part of pagedinfer except the GGUF metadata module (for the
+default model's file name), so that every layer may import it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import replace
 from typing import Any, Literal
 
+import pydantic
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
+
+from pagedinfer.gguf_metadata import DEFAULT_MODEL_FILE
 
 __all__ = [
     "ModelConfig",
@@ -25,6 +35,12 @@ __all__ = [
     "ParallelConfig",
     "KVTransferConfig",
     "EngineConfig",
+    "FLAT_OPTION_SECTIONS",
+    "SHIPPED_HEADS_DIR",
+    "build_engine_config",
+    "config_from_json",
+    "config_to_json",
+    "shipped_heads_path",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -57,9 +73,9 @@ class ModelConfig:
     equal the dense path's up to summation order), 16-bit ones are rounded to int8 per
     group of 32 on CPUs with AVX512-VNNI (as llama.cpp does). Larger steps use the dense
     weights, faster once the product is compute-bound: on the default model the quantised
-    path still won at 32 rows and lost at 64 (docs/benchmarks.md, session 9; the default
-    was 8 before, which sent a batch-4 speculative verify step of 16 rows to the dense
-    weights). Needs the cpu_paged backend's C++ build; 0 disables."""
+    path still won at 32 rows and lost at 64 (docs/benchmarks.md), and 32 keeps a batch-4
+    speculative verify step (16 rows) on the quantised path. Needs the cpu_paged backend's
+    C++ build; 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
 
@@ -123,7 +139,7 @@ SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
 
 DEFAULT_DISABLE_BY_BATCH_SIZE: dict[str, int] = {
     # Paired runs against plain decoding, ShareGPT, k=3, bf16, 2 cores, batches 1/2/4/8
-    # (docs/benchmarks.md, session 9): ngram 1.26/1.02/1.06/0.85x, EAGLE 0.99/0.92/0.78/
+    # (docs/benchmarks.md): ngram 1.26/1.02/1.06/0.85x, EAGLE 0.99/0.92/0.78/
     # 0.70x, Medusa 1.10/1.13/0.90/0.81x.
     "ngram": 4,
     "eagle": 2,
@@ -334,9 +350,7 @@ class EngineConfig:
 
             object.__setattr__(self, "kv_transfer_config", replace(kv, engine_id=uuid.uuid4().hex))
         if spec is not None and spec.method in ("eagle", "medusa") and spec.model is None:
-            from pagedinfer.spec_decode.heads import default_heads_path
-
-            path = default_heads_path(spec.method, model.model)
+            path = shipped_heads_path(spec.method, model.model)
             if path is None:
                 raise ValueError(
                     f"{spec.method} needs `model`: a heads file for {model.model}, made by "
@@ -344,3 +358,78 @@ class EngineConfig:
                 )
             object.__setattr__(self, "speculative_config", replace(spec, model=path))
         return self
+
+
+SHIPPED_HEADS_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "spec_decode", "trained"
+)
+"""Heads trained for the default model by `pagedinfer train-draft` (see docs/benchmarks.md);
+`spec_decode/heads.py` reads the files, this module only resolves the default path."""
+_SHIPPED_HEADS = {
+    "eagle": "smollm2-135m-instruct-eagle.safetensors",
+    "medusa": "smollm2-135m-instruct-medusa.safetensors",
+}
+
+
+def shipped_heads_path(method: str, model: str | None) -> str | None:
+    """The shipped heads file for `method` if `model` is the default model (None, or its
+    GGUF file under any directory), else None."""
+    if model is not None and os.path.basename(os.path.normpath(model)) != DEFAULT_MODEL_FILE:
+        return None
+    path = os.path.join(SHIPPED_HEADS_DIR, _SHIPPED_HEADS[method])
+    return path if os.path.exists(path) else None
+
+
+# ------------------------------------------------------------------ option routing and JSON
+
+FLAT_OPTION_SECTIONS: tuple[tuple[str, type[Any]], ...] = (
+    ("model_config", ModelConfig),
+    ("cache_config", CacheConfig),
+    ("scheduler_config", SchedulerConfig),
+    ("observability_config", ObservabilityConfig),
+    ("structured_outputs_config", StructuredOutputsConfig),
+    ("parallel_config", ParallelConfig),
+)
+"""The sections whose fields are flat keyword options (`LLM(max_num_seqs=...)`, one CLI flag
+each); `speculative_config` and `kv_transfer_config` are given whole."""
+
+
+def build_engine_config(**kwargs: Any) -> EngineConfig:
+    """Route flat keyword options to the config section that declares them;
+    `speculative_config` and `kv_transfer_config` are dicts (or their config classes), as
+    in vLLM."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name, _ in FLAT_OPTION_SECTIONS}
+    spec = kwargs.pop("speculative_config", None)
+    if isinstance(spec, dict):
+        spec = SpeculativeConfig(**spec)
+    elif spec is not None and not isinstance(spec, SpeculativeConfig):
+        raise TypeError("speculative_config must be a dict or a SpeculativeConfig")
+    kv = kwargs.pop("kv_transfer_config", None)
+    if isinstance(kv, dict):
+        kv = KVTransferConfig(**kv)
+    elif kv is not None and not isinstance(kv, KVTransferConfig):
+        raise TypeError("kv_transfer_config must be a dict or a KVTransferConfig")
+    for key, value in kwargs.items():
+        for name, cls in FLAT_OPTION_SECTIONS:
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                sections[name][key] = value
+                break
+        else:
+            raise TypeError(f"Unknown engine option {key!r}.")
+    return EngineConfig(
+        **{name: cls(**sections[name]) for name, cls in FLAT_OPTION_SECTIONS},
+        speculative_config=spec,
+        kv_transfer_config=kv,
+    )
+
+
+_CONFIG_ADAPTER = pydantic.TypeAdapter(EngineConfig)
+
+
+def config_to_json(config: EngineConfig) -> str:
+    """The config as JSON, for a process that `config_from_json` rebuilds it in."""
+    return _CONFIG_ADAPTER.dump_json(config).decode()
+
+
+def config_from_json(text: str) -> EngineConfig:
+    return _CONFIG_ADAPTER.validate_json(text)

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from pagedinfer.gguf_metadata import find_default_model, read_gguf_metadata
+
 if TYPE_CHECKING:
     import jinja2
 
@@ -121,10 +123,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf: str | os.PathLike[str] | GGUFFile) -> Tokenizer:
-        """Rebuild the byte-level BPE tokenizer a GGUF file describes."""
-        from pagedinfer.model.gguf import GGUFFile
-
-        meta = (gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)).metadata
+        """Rebuild the byte-level BPE tokenizer a GGUF file describes (a path, or a
+        `GGUFFile` the caller has open already)."""
+        meta = read_gguf_metadata(gguf) if isinstance(gguf, (str, os.PathLike)) else gguf.metadata
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
@@ -222,8 +223,6 @@ class Tokenizer:
     def from_model_path(cls, path: str | os.PathLike[str] | None = None) -> Tokenizer:
         """Tokenizer for a `.gguf` file, an HF directory, or (None) the default model."""
         if path is None:
-            from pagedinfer.model.gguf import find_default_model
-
             path = find_default_model()
         path = os.fspath(path)
         if os.path.isdir(path):

@@ -11,7 +11,7 @@ SHARED_DIR = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."
 
 @pytest.fixture(scope="session")
 def default_gguf_path() -> str:
-    from pagedinfer.model.gguf import find_default_model
+    from pagedinfer.gguf_metadata import find_default_model
 
     return find_default_model()
 

@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     reserve_stdout()
     if args.model is None:
-        from pagedinfer.model.gguf import find_default_model
+        from pagedinfer.gguf_metadata import find_default_model
 
         args.model = find_default_model()
     torch.set_num_threads(args.threads)

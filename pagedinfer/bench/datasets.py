@@ -87,7 +87,7 @@ def load_tokenizer(model: str | None = None):
     from pagedinfer.tokenizer import Tokenizer
 
     if model is None:
-        from pagedinfer.model.gguf import find_default_model
+        from pagedinfer.gguf_metadata import find_default_model
 
         model = find_default_model()
     return Tokenizer.from_model_path(model)

@@ -30,6 +30,7 @@ from pagedinfer.bench.datasets import (
     dataset_config,
 )
 from pagedinfer.bench.stats import LATENCY_PERCENTILES, latency_summary
+from pagedinfer.engine.arg_utils import add_engine_args, engine_kwargs
 
 __all__ = [
     "add_latency_args",
@@ -49,8 +50,6 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    from pagedinfer.entrypoints.cli import _add_engine_args
-
     _add_model_arg(parser)
     add_dataset_args(parser, with_seed=False)  # --seed is an engine option
     group = parser.add_argument_group("run options")
@@ -65,12 +64,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
     group.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
-    _add_engine_args(parser)
+    add_engine_args(parser)
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
-    from pagedinfer.entrypoints.cli import _add_engine_args
-
     _add_model_arg(parser)
     group = parser.add_argument_group("run options")
     group.add_argument("--input-len", type=int, default=32, help="Prompt tokens (default: 32).")
@@ -94,7 +91,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
         help="Folder of the profiler trace (default: ./pagedinfer_profile).",
     )
     group.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
-    _add_engine_args(parser)
+    add_engine_args(parser)
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -126,13 +123,12 @@ def run_throughput(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from pagedinfer.bench.datasets import sample_from_args
-    from pagedinfer.entrypoints.cli import _engine_kwargs
     from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 
     if ns.num_prompts <= 0:
         print("error: --num-prompts must be > 0", file=sys.stderr)
         return 2
-    kwargs = _engine_kwargs(ns)
+    kwargs = engine_kwargs(ns)
     engine: Any
     if ns.async_engine:
         from pagedinfer.engine.async_llm import AsyncLLM
@@ -218,7 +214,6 @@ def run_throughput(ns: argparse.Namespace) -> int:
 def run_latency(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from pagedinfer.entrypoints.cli import _engine_kwargs
     from pagedinfer.entrypoints.llm import LLM
     from pagedinfer.sampling_params import SamplingParams
 
@@ -229,7 +224,7 @@ def run_latency(ns: argparse.Namespace) -> int:
     if ns.num_iters_warmup < 0:
         print("error: --num-iters-warmup must be >= 0", file=sys.stderr)
         return 2
-    kwargs = _engine_kwargs(ns)
+    kwargs = engine_kwargs(ns)
     llm = LLM(**kwargs)
     allowed = allowed_token_ids(llm.get_tokenizer(), llm.llm_engine.input_processor.vocab_size)
     rng = np.random.default_rng(ns.seed)

@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import EngineConfig, build_engine_config
 from pagedinfer.core.messages import EngineCoreRequest
 from pagedinfer.engine.core_client import (
     AsyncMPClient,
@@ -36,6 +36,7 @@ from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.llm_engine import EngineStats, num_speculative_tokens
 from pagedinfer.engine.metrics import IterationStats, StatLogger
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
+from pagedinfer.logging_utils import setup_logging
 from pagedinfer.outputs import RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 from pagedinfer.tokenizer import Tokenizer
@@ -116,9 +117,7 @@ class AsyncLLM:
     @classmethod
     def from_options(cls, model: str | None = None, *, multiprocess: bool = True, **kwargs: Any):
         """Like `LLM(model, **kwargs)`: flat engine options routed to the config sections."""
-        from pagedinfer.entrypoints.llm import _setup_logging, build_engine_config
-
-        _setup_logging()
+        setup_logging()
         return cls(build_engine_config(model=model, **kwargs), multiprocess=multiprocess)
 
     # ------------------------------------------------------------------------- health

@@ -179,7 +179,7 @@ class EngineCore:
         """Forget every cached prefix block; False while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()
 
-    # Utility methods the front end may call (core_proc.UTILITY_METHODS).
+    # Utility methods the front end may call (protocol.UTILITY_METHODS).
     def get_kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_manager.usage
 

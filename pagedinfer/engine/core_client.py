@@ -5,7 +5,7 @@ All have the same interface:
   the event loop, so an abort can be sent from a generator's cleanup);
 - `await get_output()`: the next `EngineCoreOutputs`; raises `EngineDeadError` once the
   engine is gone;
-- `await call_utility(method, *args)`: one of `core_proc.UTILITY_METHODS`;
+- `await call_utility(method, *args)`: one of `protocol.UTILITY_METHODS`;
 - `info` (`EngineCoreReady`), `is_dead`, `shutdown()`.
 
 `AsyncMPClient` (the default, vLLM's design): the engine core runs in its own process
@@ -46,19 +46,18 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import EngineConfig, config_to_json
 from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
-from pagedinfer.engine.core_proc import (
+from pagedinfer.distributed.ray_utils import first_line, ray_is_connected
+from pagedinfer.engine.core_proc import run_engine_core
+from pagedinfer.engine.protocol import (
     UTILITY_METHODS,
     EngineCoreReady,
     InputKind,
     OutputKind,
     UtilityCall,
     UtilityResult,
-    config_to_json,
-    run_engine_core,
 )
-from pagedinfer.executor.ray_executor import _connected, _first_line
 
 logger = logging.getLogger("pagedinfer")
 
@@ -104,7 +103,7 @@ class EngineCoreClient:
 
 class SocketClient(EngineCoreClient):
     """An engine core in another process, driven over two ZMQ sockets bound here (the wire
-    protocol in `core_proc`). A subclass says where the sockets are bound (`_bind`) and
+    protocol in `protocol.py`). A subclass says where the sockets are bound (`_bind`) and
     starts, watches and stops the engine's process (`_start_engine`, `_startup_failure`,
     `_wait_engine_gone`, `_stop_engine`)."""
 
@@ -463,7 +462,7 @@ class RayMPClient(SocketClient):
         try:
             ray.get(self._run_ref)
         except Exception as exc:
-            return _first_line(exc)
+            return first_line(exc)
         return "its engine core exited"
 
     def _startup_failure(self) -> str | None:
@@ -478,7 +477,7 @@ class RayMPClient(SocketClient):
 
         # Polls `_closed`: `shutdown` joins this thread, which must make no Ray call after
         # the connection is closed (Ray would answer it by starting a local cluster).
-        while not self._closed and _connected():
+        while not self._closed and ray_is_connected():
             try:
                 done, _ = ray.wait([self._run_ref], timeout=1.0)
             except Exception as exc:  # pragma: no cover - the connection broke
@@ -491,7 +490,7 @@ class RayMPClient(SocketClient):
     def _stop_engine(self) -> None:
         import ray
 
-        if not _connected():  # the actor went with the connection
+        if not ray_is_connected():  # the actor went with the connection
             return
         try:
             if not ray.wait([self._run_ref], timeout=0)[0]:

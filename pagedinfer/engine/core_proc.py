@@ -1,18 +1,6 @@
 """The engine core in its own process, driven over ZMQ (vLLM's `EngineCoreProc`).
 
-Wire protocol (both directions: two-frame ZMQ messages, `[kind, msgpack payload]`, encoded
-and decoded by msgspec into the typed structs below; nothing on these sockets is pickled):
-
-    front end -> engine (PUSH -> PULL, `input_address`)
-        ADD      EngineCoreRequest
-        ABORT    list[str]                     request ids
-        UTILITY  UtilityCall                   a whitelisted EngineCore method, by name
-        SHUTDOWN (empty)
-    engine -> front end (PUSH -> PULL, `output_address`)
-        READY    EngineCoreReady               once, after the model and the cache are up
-        OUTPUTS  EngineCoreOutputs             after every step that produced something
-        UTILITY  UtilityResult
-        FATAL    str                           the engine is about to exit: why
+The wire protocol (message kinds and payload types) is `engine/protocol.py`.
 
 The process runs three threads, as vLLM's does: an input thread decodes messages into
 `input_queue`, the main thread busy-loops (apply inputs, `step()`, queue the outputs;
@@ -31,7 +19,6 @@ started the process:
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import queue
@@ -40,85 +27,24 @@ import traceback
 from typing import Any
 
 import msgspec
-import pydantic
 
-from pagedinfer.config import EngineConfig
-from pagedinfer.core.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-)
+from pagedinfer.config import EngineConfig, config_from_json
 from pagedinfer.engine.core import EngineCore
+from pagedinfer.engine.protocol import (
+    UTILITY_METHODS,
+    EngineCoreReady,
+    InputKind,
+    OutputKind,
+    UtilityCall,
+    UtilityResult,
+    decode_input,
+    reject_malformed_add,
+)
+from pagedinfer.logging_utils import setup_logging
 
 logger = logging.getLogger("pagedinfer")
 
-__all__ = [
-    "EngineCoreProc",
-    "EngineCoreReady",
-    "InputKind",
-    "OutputKind",
-    "UtilityCall",
-    "UtilityResult",
-    "UTILITY_METHODS",
-    "config_to_json",
-    "config_from_json",
-    "run_engine_core",
-]
-
-
-class InputKind(bytes, enum.Enum):
-    ADD = b"A"
-    ABORT = b"B"
-    UTILITY = b"U"
-    SHUTDOWN = b"S"
-
-
-class OutputKind(bytes, enum.Enum):
-    READY = b"R"
-    OUTPUTS = b"O"
-    UTILITY = b"U"
-    FATAL = b"F"
-
-
-class UtilityCall(msgspec.Struct, array_like=True):
-    call_id: int
-    method: str
-    args: list[Any] = msgspec.field(default_factory=list)
-
-
-class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-class EngineCoreReady(msgspec.Struct):
-    """What the front end needs to know about the engine before serving."""
-
-    max_model_len: int
-    vocab_size: int
-    num_kv_blocks: int
-    block_size: int
-    dtype: str
-    load_time_s: float
-
-
-# Utility calls the engine answers; anything else is refused (a message names a method, it
-# must not be able to reach arbitrary attributes).
-UTILITY_METHODS = frozenset(
-    {"reset_prefix_cache", "get_kv_cache_usage", "get_scheduler_stats", "ping"}
-)
-
-_CONFIG_ADAPTER = pydantic.TypeAdapter(EngineConfig)
-
-
-def config_to_json(config: EngineConfig) -> str:
-    return _CONFIG_ADAPTER.dump_json(config).decode()
-
-
-def config_from_json(text: str) -> EngineConfig:
-    return _CONFIG_ADAPTER.validate_json(text)
+__all__ = ["EngineCoreProc", "run_engine_core"]
 
 
 class EngineCoreProc(EngineCore):
@@ -160,44 +86,6 @@ class EngineCoreProc(EngineCore):
             outputs = self.step()
             if outputs.outputs or outputs.scheduler_stats is not None:
                 self.output_queue.put((OutputKind.OUTPUTS, outputs))
-
-
-_INPUT_DECODERS = {
-    InputKind.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-    InputKind.ABORT: msgspec.msgpack.Decoder(list[str]),
-    InputKind.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
-}
-
-
-def decode_input(frames: list[bytes]) -> tuple[InputKind, Any]:
-    """Two frames -> (kind, typed payload); ValueError for anything malformed."""
-    if len(frames) != 2:
-        raise ValueError(f"expected 2 frames, got {len(frames)}")
-    kind = InputKind(frames[0])
-    if kind is InputKind.SHUTDOWN:
-        return kind, None
-    try:
-        return kind, _INPUT_DECODERS[kind].decode(frames[1])
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"bad {kind.name} payload: {exc}") from exc
-
-
-def reject_malformed_add(frames: list[bytes], error: Exception) -> EngineCoreOutputs | None:
-    """An ADD the engine cannot decode still names its request (the first field of the
-    array): answer it finished with reason "error", so the front end does not wait forever
-    for a request the engine never took. None if not even the id can be read."""
-    if len(frames) != 2 or frames[0] != InputKind.ADD.value:
-        return None
-    try:
-        fields = msgspec.msgpack.decode(frames[1])
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(fields, list) or not fields or not isinstance(fields[0], str):
-        return None
-    logger.error("Rejected request %s: %s", fields[0], error)
-    return EngineCoreOutputs(
-        outputs=[EngineCoreOutput(fields[0], [], finish_reason=FinishReason.ERROR)]
-    )
 
 
 def _input_thread(
@@ -276,9 +164,7 @@ def run_engine_core(
     ("tcp://" addresses, `parent_pid` None). The front end has bound both addresses."""
     import zmq
 
-    from pagedinfer.entrypoints.llm import _setup_logging
-
-    _setup_logging()
+    setup_logging()
     context = zmq.Context()
     out_socket = context.socket(zmq.PUSH)
     out_socket.setsockopt(zmq.LINGER, 5000)

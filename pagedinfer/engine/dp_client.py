@@ -68,6 +68,7 @@ import msgspec
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedinfer.distributed.ray_utils import connect_to_cluster, ray_is_connected
 from pagedinfer.engine.core_client import (
     AsyncMPClient,
     EngineCoreClient,
@@ -77,8 +78,7 @@ from pagedinfer.engine.core_client import (
     SocketClient,
     engine_core_actor_class,
 )
-from pagedinfer.engine.core_proc import UTILITY_METHODS, EngineCoreReady
-from pagedinfer.executor.ray_executor import _connected, connect_to_cluster
+from pagedinfer.engine.protocol import UTILITY_METHODS, EngineCoreReady
 
 logger = logging.getLogger("pagedinfer")
 
@@ -264,7 +264,7 @@ class RayReplicaGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        if not _connected():  # someone disconnected this process: all went with its job
+        if not ray_is_connected():  # someone disconnected this process: all went with its job
             return
         for actor in self.actors:
             try:

@@ -1,111 +1,25 @@
 """The `pagedinfer` command line: `generate` (one-shot) and `chat` (interactive, streaming).
 
-Engine flags are generated from the config dataclasses: every field of `ModelConfig`,
-`CacheConfig`, `SchedulerConfig` and `ObservabilityConfig` becomes `--field-name`, with its
-docstring as help, so the CLI, the `LLM(...)` keyword options and the docs never drift apart.
+Also `serve` (the OpenAI-compatible server), `disagg-proxy`, `trace`, `bench` and
+`train-draft`.
+
+Engine flags come from `engine/arg_utils.py`, which generates them from the config
+dataclasses (every field becomes `--field-name`, with its docstring as help), so the CLI,
+the `LLM(...)` keyword options and the docs never drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 import time
-import typing
 from typing import Any
 
-from pagedinfer.config import (
-    CacheConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    StructuredOutputsConfig,
-)
+from pagedinfer.engine.arg_utils import add_engine_args, engine_kwargs
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["main", "build_parser"]
-
-_ENGINE_SECTIONS = (
-    ModelConfig,
-    CacheConfig,
-    SchedulerConfig,
-    ObservabilityConfig,
-    StructuredOutputsConfig,
-    ParallelConfig,
-)
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options")
-    for cls in _ENGINE_SECTIONS:
-        hints = typing.get_type_hints(cls)
-        fields = cls.__pydantic_fields__  # type: ignore[attr-defined]
-        for f in dataclasses.fields(cls):
-            if f.name == "model":
-                continue  # positional argument
-            flag = "--" + f.name.replace("_", "-")
-            help_text = (fields[f.name].description or "").replace("%", "%%")
-            default = fields[f.name].get_default(call_default_factory=True)
-            hint = hints[f.name]
-            args = typing.get_args(hint)
-            if hint is bool:
-                group.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
-                )
-            elif typing.get_origin(hint) is typing.Literal:
-                group.add_argument(flag, choices=list(args), default=default, help=help_text)
-            elif any(typing.get_origin(a) is typing.Literal for a in args):
-                # Optional[Literal[...]]: the choices, None when the flag is not given.
-                (literal,) = [a for a in args if typing.get_origin(a) is typing.Literal]
-                group.add_argument(
-                    flag, choices=list(typing.get_args(literal)), default=default, help=help_text
-                )
-            else:
-                base = next((a for a in args if a is not type(None)), hint) if args else hint
-                group.add_argument(
-                    flag, type=base, default=default, help=f"{help_text} (default: {default})"
-                )
-    group.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        default=None,
-        help='Speculative decoding, as JSON: {"method": "ngram"|"draft_model"|"eagle"|'
-        '"medusa", "num_speculative_tokens": k, ...} (see SpeculativeConfig; default: off)',
-    )
-    group.add_argument(
-        "--kv-transfer-config",
-        type=_json_object,
-        default=None,
-        help='KV transfer between instances (disaggregated prefill), as JSON: {"kv_connector": '
-        '"SharedStorageConnector"|"RedisConnector"|"ZmqConnector", "kv_role": "kv_producer"|'
-        '"kv_consumer"|"kv_both", ...} (see KVTransferConfig; default: off)',
-    )
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
-def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "model": ns.model,
-        "speculative_config": ns.speculative_config,
-        "kv_transfer_config": ns.kv_transfer_config,
-    }
-    for cls in _ENGINE_SECTIONS:
-        for f in dataclasses.fields(cls):
-            if f.name != "model":
-                out[f.name] = getattr(ns, f.name)
-    return out
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -157,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Wrap each prompt as a user message in the model's chat template.",
     )
     _add_sampling_args(gen, max_tokens=64)
-    _add_engine_args(gen)
+    add_engine_args(gen)
 
     chat = sub.add_parser("chat", help="Interactive chat; streams the reply token by token.")
     chat.add_argument(
@@ -168,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--system", default=None, help="System prompt.")
     _add_sampling_args(chat, max_tokens=256)
-    _add_engine_args(chat)
+    add_engine_args(chat)
 
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (engine core in its own process)."
@@ -187,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", default=None, help="Model name in the API (default: the file's)."
     )
-    _add_engine_args(serve)
+    add_engine_args(serve)
 
     proxy = sub.add_parser(
         "disagg-proxy",
@@ -352,7 +266,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         prompts = ["Write a haiku about paged attention."]
         ns.chat_template = True
-    llm = LLM(**_engine_kwargs(ns))
+    llm = LLM(**engine_kwargs(ns))
     params = _sampling_params(ns)
     if ns.chat_template:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -374,7 +288,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 def _cmd_chat(ns: argparse.Namespace) -> int:
     from pagedinfer.entrypoints.llm import LLM
 
-    llm = LLM(**_engine_kwargs(ns))
+    llm = LLM(**engine_kwargs(ns))
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
     messages: list[dict[str, str]] = []
@@ -417,7 +331,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from pagedinfer.engine.async_llm import AsyncLLM
     from pagedinfer.entrypoints.openai_server import DEFAULT_MODEL_NAME, build_app
 
-    engine = AsyncLLM.from_options(**_engine_kwargs(ns))
+    engine = AsyncLLM.from_options(**engine_kwargs(ns))
     name = ns.served_model_name or (
         os.path.splitext(os.path.basename(ns.model.rstrip("/")))[0]
         if ns.model

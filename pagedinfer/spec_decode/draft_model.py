@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pagedinfer.attention.backend import AttentionBackend, ForwardContext, set_forward_context
+from pagedinfer.attention.metadata import make_attention_metadata, padded_block_table
 from pagedinfer.config import SpeculativeConfig
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.spec_decode.proposer import DraftBatch, Proposer
@@ -73,8 +74,6 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> list[list[int]]:
-        from pagedinfer.worker.model_runner import make_attention_metadata, padded_block_table
-
         states = batch.states
         bs = self.block_size
         # The draft for a request writes positions last .. last + n - 1; keep them inside

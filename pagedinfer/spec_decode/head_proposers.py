@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 from pagedinfer.attention.backend import AttentionBackend
+from pagedinfer.attention.metadata import make_attention_metadata, padded_block_table
 from pagedinfer.config import SpeculativeConfig
 from pagedinfer.model.linear import Linear
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.quant import GROUP_SIZE, QuantizedWeight, quantize_q8_0
 from pagedinfer.spec_decode.heads import EagleHead, HeadConfig, MedusaHeads, load_heads
 from pagedinfer.spec_decode.proposer import DraftBatch, Proposer
-from pagedinfer.worker.model_runner import make_attention_metadata, padded_block_table
 
 __all__ = ["EagleProposer", "MedusaProposer", "fast_linear", "load_head_file"]
 

@@ -24,14 +24,15 @@ k times a step.
 
 Files are safetensors (tensors only; no pickle) with a JSON `config` in the metadata:
 {"method", "hidden_size", ..., "target"} so a head is never loaded against the wrong model.
-Training: `spec_decode/train.py` (`pagedinfer train-draft`).
+Training: `spec_decode/train.py` (`pagedinfer train-draft`). The heads shipped for the default
+model lie in `spec_decode/trained/`; `config.shipped_heads_path` picks one when
+`SpeculativeConfig.model` is not given.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,16 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = [
-    "HeadConfig", "EagleHead", "MedusaHeads", "default_heads_path", "load_heads", "save_heads",
-]  # fmt: skip
-
-TRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trained")
-"""Heads trained for the default model by `pagedinfer train-draft` (see docs/benchmarks.md)."""
-_SHIPPED = {
-    "eagle": "smollm2-135m-instruct-eagle.safetensors",
-    "medusa": "smollm2-135m-instruct-medusa.safetensors",
-}
+__all__ = ["HeadConfig", "EagleHead", "MedusaHeads", "load_heads", "save_heads"]
 
 
 @dataclass
@@ -184,17 +176,6 @@ class MedusaHeads(nn.Module):
         x = self.fc(torch.cat([next_embeds, features], dim=-1))  # [T, H]
         u = torch.einsum("th,kmh->ktm", x, self.up) + self.up_bias[:, None, :]  # [k, T, m]
         return x[None] + torch.einsum("ktm,khm->kth", F.silu(u), self.down)
-
-
-def default_heads_path(method: str, model: str | None) -> str | None:
-    """The shipped heads file for `method` if `model` is the default model (None, or its
-    GGUF file under any directory), else None."""
-    from pagedinfer.model.gguf import DEFAULT_MODEL_FILE
-
-    if model is not None and os.path.basename(os.path.normpath(model)) != DEFAULT_MODEL_FILE:
-        return None
-    path = os.path.join(TRAINED_DIR, _SHIPPED[method])
-    return path if os.path.exists(path) else None
 
 
 def save_heads(

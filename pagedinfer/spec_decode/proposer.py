@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from pagedinfer.attention.backend import AttentionBackend, CommonAttentionMetadata
     from pagedinfer.model.llama import LlamaForCausalLM
     from pagedinfer.spec_decode.draft_model import DraftModel
-    from pagedinfer.worker.model_runner import CachedRequestState
+    from pagedinfer.worker.request_state import CachedRequestState
 
 __all__ = ["DraftBatch", "Proposer", "StepRun", "create_proposer"]
 

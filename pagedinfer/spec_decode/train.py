@@ -173,7 +173,7 @@ def compute_features(
     `aux_layers`, also the residual stream after those layers (bfloat16: it is 2-3 times
     the size of the features)."""
     from pagedinfer.attention.backend import ForwardContext, set_forward_context
-    from pagedinfer.worker.model_runner import make_attention_metadata
+    from pagedinfer.attention.metadata import make_attention_metadata
 
     worker = llm.llm_engine.engine_core.executor.worker
     model, backend, arch = worker.model, worker.backend, worker.arch
@@ -633,7 +633,7 @@ def _head_config(
 def target_name(model: str | None) -> str:
     """A stable name for the target: the GGUF file's (or model directory's) basename."""
     if model is None:
-        from pagedinfer.model.gguf import find_default_model
+        from pagedinfer.gguf_metadata import find_default_model
 
         model = find_default_model()
     return os.path.basename(os.path.normpath(model))

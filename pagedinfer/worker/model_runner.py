@@ -1,11 +1,13 @@
 """Per-step input preparation, forward pass and sampling hand-off.
 
-The runner keeps one `CachedRequestState` per live request (its tokens, block table and
-generator), updated from each `SchedulerOutput`'s deltas. `execute_model` flattens the
-scheduled tokens of all requests into one batch, builds the attention metadata once, runs
-the model and computes logits only for rows that sample (the last token of each request
-whose scheduled chunk reaches the end of its known tokens). `sample_tokens` then samples,
-appends the new tokens to the states and returns a `ModelRunnerOutput`.
+The runner keeps one `CachedRequestState` (`worker/request_state.py`) per live request (its
+tokens, block table and generator), updated from each `SchedulerOutput`'s deltas.
+`execute_model` flattens the scheduled tokens of all requests into one batch, builds the
+attention metadata once (`attention/metadata.py`), runs the model and computes logits only
+for rows that sample (the last token of each request whose scheduled chunk reaches the end
+of its known tokens). `sample_tokens` then samples (its metadata from
+`request_state.build_sampling_metadata`), appends the new tokens to the states and returns a
+`ModelRunnerOutput`.
 
 The split into two calls mirrors vLLM: the engine core may compute a grammar bitmask
 between them (structured outputs plug in there).
@@ -14,17 +16,13 @@ between them (structured outputs plug in there).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedinfer.attention.backend import (
-    AttentionBackend,
-    CommonAttentionMetadata,
-    ForwardContext,
-    set_forward_context,
-)
+from pagedinfer.attention.backend import AttentionBackend, ForwardContext, set_forward_context
+from pagedinfer.attention.metadata import make_attention_metadata, padded_block_table
 from pagedinfer.config import SpeculativeConfig
 from pagedinfer.core.messages import LogprobsLists
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -32,66 +30,21 @@ from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
 from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.distributed.parallel_state import get_pp_group
 from pagedinfer.model.llama import LlamaForCausalLM
-from pagedinfer.sample.metadata import LogprobsTensors, SamplingMetadata
 from pagedinfer.sample.sampler import (
     Sampler,
     compute_logprobs,
     compute_prompt_logprobs,
     gather_logprobs,
 )
-from pagedinfer.sampling_params import SamplingParams, SamplingType
+from pagedinfer.sampling_params import SamplingType
 from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.spec_decode.proposer import DraftBatch, Proposer, StepRun, create_proposer
 from pagedinfer.spec_decode.rejection_sampler import RejectionSampler
+from pagedinfer.worker.request_state import CachedRequestState, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelRunner", "CachedRequestState", "make_attention_metadata", "padded_block_table"]
-
-_GREEDY_EPS = 1e-5
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None
-    # Prompt logprobs gathered chunk by chunk until the prompt is done.
-    prompt_logprobs: list[LogprobsTensors] = field(default_factory=list)
-    # prompt + output, kept in step with output_token_ids by append_token().
-    all_token_ids: list[int] = field(default_factory=list)
-    # The same tokens in a growing numpy buffer, made on the first token_array() call (the
-    # n-gram proposer searches it every step).
-    _token_buf: np.ndarray | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        buf = self._token_buf
-        if buf is not None:
-            n = len(self.all_token_ids)
-            if n > len(buf):
-                buf = self._token_buf = np.resize(buf, 2 * n)
-            buf[n - 1] = token_id
-
-    def token_array(self) -> np.ndarray:
-        """`all_token_ids` as an int64 array (a view: valid until the next append)."""
-        n = len(self.all_token_ids)
-        if self._token_buf is None:
-            self._token_buf = np.zeros(max(2 * n, 64), dtype=np.int64)
-            self._token_buf[:n] = self.all_token_ids
-        return self._token_buf[:n]
+__all__ = ["ModelRunner"]
 
 
 @dataclass
@@ -110,49 +63,6 @@ class _StepState:
     runs: list[tuple[str, int, int, int]] | None = None
     """With `hidden`: per request (req_id, first row, start position, tokens run)."""
     kv_connector_output: KVConnectorOutput | None = None
-
-
-def padded_block_table(block_ids: list[list[int]]) -> np.ndarray:
-    """`[num_reqs, max_blocks]` int32 block table, each row padded with 0."""
-    table = np.zeros((len(block_ids), max(len(ids) for ids in block_ids)), dtype=np.int32)
-    for i, ids in enumerate(block_ids):
-        table[i, : len(ids)] = ids
-    return table
-
-
-def make_attention_metadata(
-    num_scheduled: np.ndarray, computed: np.ndarray, block_table: np.ndarray, block_size: int
-) -> tuple[CommonAttentionMetadata, np.ndarray]:
-    """The flattened batch's attention metadata and token positions: request i runs
-    `num_scheduled[i]` tokens starting at position `computed[i]`, its KV in the blocks of
-    `block_table[i]` (`[num_reqs, max_blocks]` int32, padded)."""
-    num_reqs = len(num_scheduled)
-    seq_lens_np = computed + num_scheduled  # [num_reqs]
-    qsl_np = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(num_scheduled, out=qsl_np[1:])
-    num_tokens = int(qsl_np[-1])
-    # Per-token request index and position, then slots, all vectorised.
-    req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)  # [num_tokens]
-    positions_np = np.arange(num_tokens) - np.repeat(qsl_np[:-1] - computed, num_scheduled)
-    slots_np = (
-        block_table[req_of_token, positions_np // block_size].astype(np.int64) * block_size
-        + positions_np % block_size
-    )  # [num_tokens]
-    common = CommonAttentionMetadata(
-        num_reqs=num_reqs,
-        num_actual_tokens=num_tokens,
-        query_start_loc=torch.from_numpy(qsl_np.astype(np.int32)),
-        query_start_loc_cpu=qsl_np.tolist(),
-        seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)),
-        seq_lens_cpu=seq_lens_np.tolist(),
-        num_computed_tokens_cpu=computed.tolist(),
-        max_query_len=int(num_scheduled.max()),
-        max_seq_len=int(seq_lens_np.max()),
-        block_table=torch.from_numpy(block_table),
-        slot_mapping=torch.from_numpy(slots_np),
-        block_size=block_size,
-    )
-    return common, positions_np
 
 
 class ModelRunner:
@@ -435,7 +345,7 @@ class ModelRunner:
                 row += 1 + (len(step.spec_drafts[i]) if step.spec_drafts else 0)
             if grammar_output is not None:
                 self._apply_grammar_bitmask(step.logits, first_row, grammar_output)
-            metadata = self._sampling_metadata(states)
+            metadata = build_sampling_metadata(states, self.vocab_size)
             if step.spec_drafts is None:
                 out = self.sampler(step.logits, metadata)
                 token_lists = [[t] for t in out.sampled_token_ids.tolist()]
@@ -537,59 +447,3 @@ class ModelRunner:
         sub = logits.index_select(0, index)
         apply_token_bitmask(sub, mask)
         logits.index_copy_(0, index, sub)
-
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        temps = [p.temperature for p in params]
-        all_greedy = all(t < _GREEDY_EPS for t in temps)
-        all_random = all(t >= _GREEDY_EPS for t in temps)
-        top_ps = [p.top_p for p in params]
-        top_ks = [p.top_k for p in params]
-        min_ps = [p.min_p for p in params]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        max_num_logprobs = None
-        if wanted:
-            max_num_logprobs = max(self.vocab_size if k == -1 else k for k in wanted)
-        freq = [p.frequency_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        rep = [p.repetition_penalty for p in params]
-        no_penalties = (
-            all(f == 0 for f in freq) and all(p == 0 for p in pres) and all(r == 1 for r in rep)
-        )
-        prompt_ids = None
-        if any(r != 1 for r in rep):
-            max_len = max(len(s.prompt_token_ids) for s in states)
-            prompt_ids = torch.full((len(states), max_len), self.vocab_size, dtype=torch.int64)
-            for i, s in enumerate(states):
-                prompt_ids[i, : len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids)
-        allowed_mask = None
-        if any(p.allowed_token_ids is not None for p in params):
-            allowed_mask = torch.zeros(len(states), self.vocab_size, dtype=torch.bool)
-            for i, p in enumerate(params):
-                if p.allowed_token_ids is not None:
-                    allowed_mask[i] = True
-                    allowed_mask[i, p.allowed_token_ids] = False
-        min_tokens = {
-            i: (p.min_tokens, p.all_stop_token_ids)
-            for i, p in enumerate(params)
-            if p.min_tokens > 0 and len(states[i].output_token_ids) < p.min_tokens
-        }
-        return SamplingMetadata(
-            temperature=None if all_greedy else torch.tensor(temps, dtype=torch.float32),
-            all_greedy=all_greedy,
-            all_random=all_random,
-            top_p=None if all(p == 1.0 for p in top_ps) else torch.tensor(top_ps),
-            top_k=None if all(k == 0 for k in top_ks) else torch.tensor(top_ks),
-            min_p=None if all(m == 0 for m in min_ps) else torch.tensor(min_ps),
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            max_num_logprobs=max_num_logprobs,
-            no_penalties=no_penalties,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=[s.output_token_ids for s in states],
-            frequency_penalties=None if no_penalties else torch.tensor(freq),
-            presence_penalties=None if no_penalties else torch.tensor(pres),
-            repetition_penalties=None if no_penalties else torch.tensor(rep),
-            logit_bias=[p.logit_bias for p in params],
-            min_tokens=min_tokens,
-            allowed_token_ids_mask=allowed_mask,
-        )

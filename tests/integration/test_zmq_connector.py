@@ -23,10 +23,10 @@ import torch
 import zmq
 
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.config import build_engine_config
 from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
 from pagedinfer.distributed.kv_transfer.storage import kv_checksum
 from pagedinfer.distributed.kv_transfer.zmq_connector import PullReply, PullRequest, ZmqConnector
-from pagedinfer.entrypoints.llm import build_engine_config
 from tests.integration.server_proc import free_port
 
 pytestmark = pytest.mark.integration

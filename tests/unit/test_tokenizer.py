@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from tokenizers.decoders import DecodeStream
 
-from pagedinfer.model.gguf import find_default_model
+from pagedinfer.gguf_metadata import find_default_model
 from pagedinfer.tokenizer import Tokenizer
 
 # No model hub in tests; set before anything imports transformers/huggingface_hub.

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pagedinfer.config import build_engine_config
 from pagedinfer.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -19,10 +20,9 @@ from pagedinfer.core.messages import (
     SchedulerStats,
 )
 from pagedinfer.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedinfer.engine.core_proc import EngineCoreReady
 from pagedinfer.engine.dp_client import DPAsyncMPClient, DPLoadRouter, replica_config
 from pagedinfer.engine.output_processor import split_request
-from pagedinfer.entrypoints.llm import build_engine_config
+from pagedinfer.engine.protocol import EngineCoreReady
 from pagedinfer.sampling_params import SamplingParams
 
 # ------------------------------------------------------------------------------ router

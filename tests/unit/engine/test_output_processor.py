@@ -56,7 +56,7 @@ class _Tok:
 def _load_smollm2_backend(config: pytest.Config) -> BackendTokenizer:
     # Our own GGUF tokenizer (tests/unit/test_tokenizer.py proves it encodes exactly like
     # transformers'); loading it takes ~0.3 s.
-    from pagedinfer.model.gguf import find_default_model
+    from pagedinfer.gguf_metadata import find_default_model
     from pagedinfer.tokenizer import Tokenizer
 
     backend: BackendTokenizer = Tokenizer.from_gguf(find_default_model()).backend

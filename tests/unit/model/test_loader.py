@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagedinfer.model.gguf import find_default_model
+from pagedinfer.gguf_metadata import find_default_model
 from pagedinfer.model.loader import (
     ModelArchConfig,
     _undo_rope_permutation,

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedinfer.gguf_metadata import find_default_model
 from pagedinfer.kernels.cpu import load_cpu_kernels
-from pagedinfer.model.gguf import GGUFFile, find_default_model
+from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.linear import Linear
 from pagedinfer.model.loader import load_model_weights, load_quant_blocks
 from pagedinfer.model.quant import QuantBlocks, QuantizedWeight, quantize_q8_0

@@ -15,7 +15,7 @@ from pagedinfer.model.loader import load_model_weights
 from pagedinfer.spec_decode.head_proposers import EagleProposer, MedusaProposer
 from pagedinfer.spec_decode.heads import EagleHead, HeadConfig, MedusaHeads, save_heads
 from pagedinfer.spec_decode.proposer import DraftBatch, StepRun
-from pagedinfer.worker.model_runner import CachedRequestState
+from pagedinfer.worker.request_state import CachedRequestState
 from tests.model.tiny import make_tiny_llama_dir
 
 BLOCK = 4
@@ -161,13 +161,13 @@ def test_medusa_heads_read_the_feature_that_produced_the_new_token(tmp_path, tar
 def test_the_default_model_gets_its_shipped_heads(tmp_path, method: str) -> None:
     import os
 
-    from pagedinfer.config import EngineConfig, ModelConfig
-    from pagedinfer.model.gguf import DEFAULT_MODEL_FILE
-    from pagedinfer.spec_decode.heads import TRAINED_DIR, load_heads
+    from pagedinfer.config import SHIPPED_HEADS_DIR, EngineConfig, ModelConfig
+    from pagedinfer.gguf_metadata import DEFAULT_MODEL_FILE
+    from pagedinfer.spec_decode.heads import load_heads
 
     spec = SpeculativeConfig(method=method, num_speculative_tokens=3)
     path = EngineConfig(speculative_config=spec).speculative_config.model
-    assert path == os.path.join(TRAINED_DIR, f"smollm2-135m-instruct-{method}.safetensors")
+    assert path == os.path.join(SHIPPED_HEADS_DIR, f"smollm2-135m-instruct-{method}.safetensors")
     _, config, vocab, record = load_heads(path)
     assert config.target == DEFAULT_MODEL_FILE and len(vocab) == config.draft_vocab_size
     assert config.num_medusa_heads == (5 if method == "medusa" else 0)  # k up to 5
@@ -188,7 +188,7 @@ def test_aux_layers_are_the_residual_stream_after_each_layer(target) -> None:
     """forward_with_aux's hidden is forward's, and the final norm of layer i's aux part is
     what a forward through the first i + 1 layers returns."""
     from pagedinfer.attention.backend import ForwardContext, set_forward_context
-    from pagedinfer.worker.model_runner import make_attention_metadata
+    from pagedinfer.attention.metadata import make_attention_metadata
 
     model, backend = target
     arch = model.config

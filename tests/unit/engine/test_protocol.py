@@ -6,18 +6,16 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from pagedinfer.config import build_engine_config, config_from_json, config_to_json
 from pagedinfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from pagedinfer.engine.core_proc import (
+from pagedinfer.engine.protocol import (
     EngineCoreReady,
     InputKind,
     UtilityCall,
     UtilityResult,
-    config_from_json,
-    config_to_json,
     decode_input,
     reject_malformed_add,
 )
-from pagedinfer.entrypoints.llm import build_engine_config
 from pagedinfer.sampling_params import SamplingParams
 
 
