@@ -25,7 +25,8 @@ import zmq
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
 from pagedinfer.distributed.kv_transfer.storage import kv_checksum
-from pagedinfer.distributed.kv_transfer.zmq_connector import PullReply, PullRequest, ZmqConnector
+from pagedinfer.distributed.kv_transfer.zmq.connector import ZmqConnector
+from pagedinfer.distributed.kv_transfer.zmq.wire import PullReply, PullRequest
 from pagedinfer.entrypoints.llm import build_engine_config
 from tests.integration.server_proc import free_port
 
@@ -64,7 +65,7 @@ PROMPTS = {
     "abort_load": ["Summarise the plot of Romeo and Juliet in two sentences."],
     "abort_hold": ["Count from one to fifty, separated by commas."],
 }
-CONNECTOR_LOGGER = "pagedinfer.distributed.kv_transfer.zmq_connector"
+CONNECTOR_LOGGER = "pagedinfer.distributed.kv_transfer.zmq"  # every module of the package
 
 
 def zmq_config(role: str, port: int = 0, **kw: Any) -> dict[str, Any]:
