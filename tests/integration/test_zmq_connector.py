@@ -26,7 +26,8 @@ from pagedinfer import LLM, SamplingParams
 from pagedinfer.config import build_engine_config
 from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
 from pagedinfer.distributed.kv_transfer.storage import kv_checksum
-from pagedinfer.distributed.kv_transfer.zmq_connector import PullReply, PullRequest, ZmqConnector
+from pagedinfer.distributed.kv_transfer.zmq.connector import ZmqConnector
+from pagedinfer.distributed.kv_transfer.zmq.wire import PullReply, PullRequest
 from tests.integration.server_proc import free_port
 
 pytestmark = pytest.mark.integration
@@ -64,7 +65,7 @@ PROMPTS = {
     "abort_load": ["Summarise the plot of Romeo and Juliet in two sentences."],
     "abort_hold": ["Count from one to fifty, separated by commas."],
 }
-CONNECTOR_LOGGER = "pagedinfer.distributed.kv_transfer.zmq_connector"
+CONNECTOR_LOGGER = "pagedinfer.distributed.kv_transfer.zmq"  # every module of the package
 
 
 def zmq_config(role: str, port: int = 0, **kw: Any) -> dict[str, Any]:

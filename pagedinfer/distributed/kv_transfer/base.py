@@ -29,6 +29,10 @@ One step, as the scheduler and the model runner drive it:
 
 A producer (prefill instance, `kv_role="kv_producer"`) never loads; a consumer (decode
 instance) never saves; "kv_both" does both.
+
+`RoleSplitConnector` is the facade of connectors whose scheduler and worker sides are
+objects of their own (vLLM's NixlConnector layout): it builds the side its role names and
+forwards the interface's methods to it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 
@@ -49,7 +53,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVConnectorBase", "KVConnectorRole", "layer_name"]
+__all__ = [
+    "KVConnectorBase",
+    "KVConnectorRole",
+    "RoleSplitConnector",
+    "SchedulerSide",
+    "WorkerSide",
+    "layer_name",
+]
 
 
 class KVConnectorRole(enum.Enum):
@@ -146,3 +157,93 @@ class KVConnectorBase(ABC):
 
     def shutdown(self) -> None:  # noqa: B027
         """Release sockets, threads and clients."""
+
+
+class SchedulerSide(Protocol):
+    """The scheduler-side methods a `RoleSplitConnector` forwards."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]: ...
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None: ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
+
+
+class WorkerSide(Protocol):
+    """The worker-side methods a `RoleSplitConnector` forwards (with the bound metadata)."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None: ...
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None: ...
+
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None: ...
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+SchedulerSideT = TypeVar("SchedulerSideT", bound=SchedulerSide)
+WorkerSideT = TypeVar("WorkerSideT", bound=WorkerSide)
+
+
+class RoleSplitConnector(KVConnectorBase, Generic[SchedulerSideT, WorkerSideT]):
+    """A connector that holds either its scheduler side or its worker side, by role, never
+    both, and forwards the interface to it; calling a method of the other side is a bug
+    (an assertion). Subclasses build the sides and forward any further method."""
+
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        self.connector_scheduler: SchedulerSideT | None = None
+        self.connector_worker: WorkerSideT | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = self.make_scheduler_side()
+        else:
+            self.connector_worker = self.make_worker_side()
+
+    @abstractmethod
+    def make_scheduler_side(self) -> SchedulerSideT: ...
+
+    @abstractmethod
+    def make_worker_side(self) -> WorkerSideT: ...
+
+    def scheduler_side(self) -> SchedulerSideT:
+        assert self.connector_scheduler is not None, "a scheduler-side call on a worker"
+        return self.connector_scheduler
+
+    def worker_side(self) -> WorkerSideT:
+        assert self.connector_worker is not None, "a worker-side call on the scheduler"
+        return self.connector_worker
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        self.scheduler_side().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side().build_connector_meta(scheduler_output)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side().register_kv_caches(kv_caches)
+
+    def start_load_kv(self) -> None:
+        self.worker_side().start_load_kv(self.get_connector_metadata())
+
+    def wait_for_save(self) -> None:
+        self.worker_side().wait_for_save(self.get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        return self.worker_side().get_finished(finished_req_ids)
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

@@ -17,7 +17,7 @@ CONNECTORS: dict[str, str] = {
     "SharedStorageConnector": "pagedinfer.distributed.kv_transfer.shared_storage",
     "ExampleConnector": "pagedinfer.distributed.kv_transfer.shared_storage",  # vLLM's new name
     "RedisConnector": "pagedinfer.distributed.kv_transfer.redis_connector",
-    "ZmqConnector": "pagedinfer.distributed.kv_transfer.zmq_connector",
+    "ZmqConnector": "pagedinfer.distributed.kv_transfer.zmq.connector",
 }
 
 

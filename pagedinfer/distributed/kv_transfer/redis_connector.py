@@ -23,13 +23,13 @@ import msgspec
 import numpy as np
 import torch
 
-from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
-from pagedinfer.distributed.kv_transfer.storage import KVLoadError, StorageConnector, kv_checksum
+from pagedinfer.distributed.kv_transfer.storage import KVLoadError, KVStore, kv_checksum
+from pagedinfer.distributed.kv_transfer.storage_connector import StorageConnector
 
 if TYPE_CHECKING:
-    from pagedinfer.config import EngineConfig
+    from pagedinfer.config import KVTransferConfig
 
-__all__ = ["RedisConnector"]
+__all__ = ["RedisConnector", "RedisStore"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,27 +46,32 @@ _LEN = 4  # bytes of the header's length prefix
 
 
 class RedisConnector(StorageConnector):
-    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
-        super().__init__(config, role)
+    def make_store(self) -> KVStore:
+        return RedisStore(self.kv_config)
+
+
+class RedisStore(KVStore):
+    """Entries as Redis keys (the layout above)."""
+
+    def __init__(self, kv_config: KVTransferConfig) -> None:
         import redis
 
-        extra = self.kv_config
-        url = str(extra.get_from_extra_config("redis_url", "redis://127.0.0.1:6379/0"))
-        timeout = float(extra.get_from_extra_config("socket_timeout_s", 5.0))
-        self.prefix = str(extra.get_from_extra_config("key_prefix", "pagedinfer:kv:"))
-        self.ttl_s = int(extra.get_from_extra_config("ttl_s", 3600))
+        url = str(kv_config.get_from_extra_config("redis_url", "redis://127.0.0.1:6379/0"))
+        timeout = float(kv_config.get_from_extra_config("socket_timeout_s", 5.0))
+        self.prefix = str(kv_config.get_from_extra_config("key_prefix", "pagedinfer:kv:"))
+        self.ttl_s = int(kv_config.get_from_extra_config("ttl_s", 3600))
         # Thread-safe (a connection pool): the save thread and the step share it.
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout
         )
 
-    def _exists(self, key: str) -> bool:
+    def exists(self, key: str) -> bool:
         try:
             return bool(self.client.exists(self.prefix + key))
         except Exception:  # the store is down: behave as a miss, compute the prompt
             return False
 
-    def _put_layer(self, key: str, layer_name: str, kv: torch.Tensor) -> None:
+    def put_layer(self, key: str, layer_name: str, kv: torch.Tensor) -> None:
         kv = kv.contiguous()
         dtype = str(kv.dtype).removeprefix("torch.")
         header = _ENCODER.encode(_LayerHeader(list(kv.shape), dtype, kv_checksum(kv)))
@@ -74,10 +79,10 @@ class RedisConnector(StorageConnector):
         payload = b"".join((len(header).to_bytes(_LEN, "little"), header, raw))
         self.client.set(f"{self.prefix}{key}:{layer_name}", payload, ex=self.ttl_s or None)
 
-    def _commit(self, key: str, layer_names: list[str]) -> None:
+    def commit(self, key: str, layer_names: list[str]) -> None:
         self.client.set(self.prefix + key, len(layer_names), ex=self.ttl_s or None)
 
-    def _get_layer(self, key: str, layer_name: str) -> torch.Tensor:
+    def get_layer(self, key: str, layer_name: str) -> torch.Tensor:
         payload = self.client.get(f"{self.prefix}{key}:{layer_name}")
         if payload is None:
             raise KVLoadError(f"{layer_name} is missing")
@@ -96,6 +101,5 @@ class RedisConnector(StorageConnector):
             raise KVLoadError(f"{layer_name} is corrupted (checksum mismatch)")
         return kv
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def close(self) -> None:
         self.client.close()

@@ -22,19 +22,25 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
-from pagedinfer.distributed.kv_transfer.storage import KVLoadError, StorageConnector, kv_checksum
+from pagedinfer.distributed.kv_transfer.storage import KVLoadError, KVStore, kv_checksum
+from pagedinfer.distributed.kv_transfer.storage_connector import StorageConnector
 
 if TYPE_CHECKING:
-    from pagedinfer.config import EngineConfig
+    from pagedinfer.config import KVTransferConfig
 
-__all__ = ["SharedStorageConnector"]
+__all__ = ["SharedStorageConnector", "SharedStorageStore"]
 
 
 class SharedStorageConnector(StorageConnector):
-    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
-        super().__init__(config, role)
-        self.root = str(self.kv_config.get_from_extra_config("shared_storage_path", "/tmp"))
+    def make_store(self) -> KVStore:
+        return SharedStorageStore(self.kv_config)
+
+
+class SharedStorageStore(KVStore):
+    """Entries as directories under `shared_storage_path` (extra config, default /tmp)."""
+
+    def __init__(self, kv_config: KVTransferConfig) -> None:
+        self.root = str(kv_config.get_from_extra_config("shared_storage_path", "/tmp"))
         os.makedirs(self.root, exist_ok=True)
         # Worker side: key -> the temporary directory being written.
         self._staging: dict[str, str] = {}
@@ -42,10 +48,10 @@ class SharedStorageConnector(StorageConnector):
     def _entry(self, key: str) -> str:
         return os.path.join(self.root, key)
 
-    def _exists(self, key: str) -> bool:
+    def exists(self, key: str) -> bool:
         return os.path.isdir(self._entry(key))
 
-    def _put_layer(self, key: str, layer_name: str, kv: torch.Tensor) -> None:
+    def put_layer(self, key: str, layer_name: str, kv: torch.Tensor) -> None:
         staging = self._staging.get(key)
         if staging is None:
             staging = os.path.join(self.root, f".tmp-{key}-{uuid.uuid4().hex[:8]}")
@@ -57,17 +63,17 @@ class SharedStorageConnector(StorageConnector):
             metadata={"checksum": kv_checksum(kv)},
         )
 
-    def _commit(self, key: str, layer_names: list[str]) -> None:
+    def commit(self, key: str, layer_names: list[str]) -> None:
         staging = self._staging.pop(key)
         try:
             os.rename(staging, self._entry(key))
         except OSError:
             # Another instance stored the same prompt first (the entry exists): keep theirs.
             shutil.rmtree(staging, ignore_errors=True)
-            if not self._exists(key):
+            if not self.exists(key):
                 raise
 
-    def _get_layer(self, key: str, layer_name: str) -> torch.Tensor:
+    def get_layer(self, key: str, layer_name: str) -> torch.Tensor:
         path = os.path.join(self._entry(key), f"{layer_name}.safetensors")
         try:
             with safe_open(path, framework="pt") as f:
