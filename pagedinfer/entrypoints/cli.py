@@ -329,7 +329,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedinfer.engine.async_llm import AsyncLLM
-    from pagedinfer.entrypoints.openai_server import DEFAULT_MODEL_NAME, build_app
+    from pagedinfer.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, build_app
 
     engine = AsyncLLM.from_options(**engine_kwargs(ns))
     name = ns.served_model_name or (

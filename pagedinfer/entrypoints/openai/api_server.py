@@ -1,0 +1,183 @@
+"""The OpenAI-compatible HTTP server over an engine client (`pagedinfer serve`).
+
+Endpoints: `/v1/completions`, `/v1/chat/completions` (JSON or SSE streaming), `/v1/models`,
+`/health`, `/version`, `/tokenize`, `/detokenize`, and `/metrics` (Prometheus text format,
+see `engine/metrics.py`). Request bodies are validated by the pydantic models of
+`protocol.py`; every problem is a 4xx with an OpenAI-style error body
+(`{"error": {"message", "type", "param", "code"}}`), and a bad request never reaches the
+engine. With an `api_key`, every `/v1` route wants `Authorization: Bearer <key>` (401).
+A client that disconnects mid-stream closes its generator, which aborts the request in the
+engine and frees its blocks; a non-streaming request's connection is watched while it runs,
+with the same effect. If the engine process dies, requests fail with 503 and `/health`
+answers 503.
+
+`build_app` puts the per-endpoint handlers (`serving_*.py`) and the settings on `app.state`;
+the routes here only parse and dispatch. Called by `entrypoints/cli.py` (`serve`) and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedinfer
+from pagedinfer.engine.core_client import EngineDeadError
+from pagedinfer.engine.metrics import PrometheusStatLogger
+from pagedinfer.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedinfer.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedinfer.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedinfer.entrypoints.openai.serving_engine import (
+    EngineClient,
+    error_response,
+    json_response,
+)
+from pagedinfer.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+__all__ = ["DEFAULT_MODEL_NAME", "build_app"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    if raw_request.app.state.engine_client.errored:
+        return error_response(503, "The engine core is dead.")
+    return JSONResponse({})
+
+
+@router.get("/version", responses={200: {"model": VersionResponse}})
+async def version() -> Response:
+    return json_response(VersionResponse(version=pagedinfer.__version__))
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    engine_client: EngineClient = raw_request.app.state.engine_client
+    stat_logger: PrometheusStatLogger = raw_request.app.state.metrics
+    if not engine_client.errored:
+        try:  # gauges as the engine core sees them now, not as of its last step
+            now = await asyncio.wait_for(engine_client.get_scheduler_stats(), timeout=5)
+            stat_logger.update_gauges(
+                int(now["num_running_reqs"]), int(now["num_waiting_reqs"]), now["kv_cache_usage"]
+            )
+        except (EngineDeadError, asyncio.TimeoutError):
+            pass  # serve the last known values
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize", responses={200: {"model": TokenizeResponse}})
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
+    return await handler.create_tokenize(request)
+
+
+@router.post("/detokenize", responses={200: {"model": DetokenizeResponse}})
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
+    return await handler.create_detokenize(request)
+
+
+@router.get("/v1/models", responses={200: {"model": ModelList}})
+async def show_available_models(raw_request: Request) -> Response:
+    state = raw_request.app.state
+    card = ModelCard(
+        id=state.model_name,
+        object="model",
+        created=state.created,
+        owned_by="pagedinfer",
+        max_model_len=state.engine_client.max_model_len,
+    )
+    return json_response(ModelList(object="list", data=[card]))
+
+
+@router.post("/v1/completions", responses={200: {"model": CompletionResponse}})
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingCompletion = raw_request.app.state.openai_serving_completion
+    return await handler.create_completion(request, raw_request)
+
+
+@router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}})
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingChat = raw_request.app.state.openai_serving_chat
+    return await handler.create_chat_completion(request, raw_request)
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    # The framework's own errors (unknown route, wrong method, a body that is not parseable
+    # at all) in the same OpenAI-style shape as ours.
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _invalid(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+
+
+async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    api_key: str | None = request.app.state.api_key
+    if api_key is not None and request.url.path.startswith("/v1"):
+        if request.headers.get("authorization") != f"Bearer {api_key}":
+            return error_response(401, "Invalid or missing API key.")
+    return await call_next(request)
+
+
+def build_app(
+    engine_client: EngineClient,
+    model_name: str = DEFAULT_MODEL_NAME,
+    api_key: str | None = None,
+    *,
+    shutdown_engine: bool = False,
+) -> FastAPI:
+    """The app over `engine_client` (an `AsyncLLM`); with `shutdown_engine`, the app's
+    lifespan ends it (so the engine process goes with the server however the ASGI server is
+    stopped). Adds the app's Prometheus logger to the engine's `stat_loggers`."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if shutdown_engine:
+            engine_client.shutdown()
+
+    app = FastAPI(title="pagedinfer", version=pagedinfer.__version__, lifespan=lifespan)
+    app.include_router(router)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.middleware("http")(_auth)
+
+    state = app.state
+    state.engine_client = engine_client
+    state.model_name = model_name
+    state.api_key = api_key
+    state.created = int(time.time())
+    state.metrics = PrometheusStatLogger(model_name, engine_client.max_model_len)
+    engine_client.stat_loggers.append(state.metrics)
+    state.openai_serving_completion = OpenAIServingCompletion(engine_client, model_name)
+    state.openai_serving_chat = OpenAIServingChat(engine_client, model_name)
+    state.openai_serving_tokenization = OpenAIServingTokenization(engine_client, model_name)
+    return app

@@ -1,0 +1,348 @@
+"""The OpenAI-compatible API's bodies: pydantic models for requests, TypedDicts for responses.
+
+Requests check types and ranges only (cross-field rules and the conversion to
+`SamplingParams` are in `serving_engine.py`); unknown fields are ignored, as OpenAI's clients
+send some we do not use. The request class names appear in validation messages that reach
+clients, so they are part of the wire format.
+
+Responses are TypedDicts: mypy checks every key and value where a handler builds one, and the
+routes name them for the OpenAPI schema, but at run time each is the plain dict that is
+serialized. A stream builds several per token (chunk, choice, delta, logprob entries), and
+building and dumping pydantic models costs about twice what the rest of a chunk's way out
+does. A `NotRequired` key is left out when it does not apply (`usage` on all but a stream's
+last chunk, `kv_transfer_params`, a delta's `role` after the first); every other None is sent
+as `null`. Keys are written in the order declared here. Used by `serving_*.py` and
+`api_server.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import NotRequired, TypedDict
+
+__all__ = [
+    "ChatCompletionLogprobs",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatCompletionStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatLogprobToken",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatTopLogprob",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionResponseChoice",
+    "CompletionStreamResponse",
+    "DeltaMessage",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "ErrorInfo",
+    "ErrorResponse",
+    "JsonSchemaFormat",
+    "ModelCard",
+    "ModelList",
+    "PromptTokensDetails",
+    "ResponseFormat",
+    "SamplingFields",
+    "StreamOptions",
+    "StructuredOutputsFields",
+    "TokenizeRequest",
+    "TokenizeResponse",
+    "UsageInfo",
+    "VersionResponse",
+]
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's `structured_outputs` request field (the same names as StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling, stop, guided-decoding and streaming fields that completion and chat
+    requests share (`serving_engine.to_sampling_params` turns them into SamplingParams)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Guided decoding: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Disaggregated prefill (vLLM's field): to a prefill instance {"do_remote_decode":
+    # true}; to a decode instance, what the prefill instance's response carried.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """`prompt` (text, tokenized as a completion prompt is) or `messages` (rendered with the
+    chat template, as a chat request is): exactly one of them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class ErrorInfo(TypedDict):
+    message: str
+    type: str
+    param: NotRequired[str | None]
+    """The request field at fault; an error event inside an SSE stream has none."""
+    code: int
+
+
+class ErrorResponse(TypedDict):
+    """OpenAI's error body (and, inside a stream, its last event)."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+    """Prompt tokens not computed here: prefix-cache hits and KV a connector loaded."""
+    external_cached_tokens: NotRequired[int]
+    """Of those, the ones a KV connector loaded; only when there are some."""
+
+
+class UsageInfo(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(TypedDict):
+    """Legacy completions logprobs: per generated token its text, logprob, the top
+    alternatives (text -> logprob) and its character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionResponseChoice(TypedDict):
+    """One choice of a completion; the same shape in a stream chunk, `text` a delta."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class CompletionResponse(TypedDict):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    kv_transfer_params: NotRequired[dict[str, Any]]
+    """What a decode instance needs to fetch this prompt's KV (disaggregated prefill)."""
+
+
+class CompletionStreamResponse(TypedDict):
+    """One SSE chunk of a completion; the last (with `include_usage`) has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: NotRequired[UsageInfo]
+
+
+class ChatTopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobToken(TypedDict):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatCompletionLogprobs(TypedDict):
+    content: list[ChatLogprobToken]
+
+
+class ChatResponseMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionResponseChoice(TypedDict):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    kv_transfer_params: NotRequired[dict[str, Any]]
+    """What a decode instance needs to fetch this prompt's KV (disaggregated prefill)."""
+
+
+class DeltaMessage(TypedDict):
+    content: str
+    role: NotRequired[Literal["assistant"]]
+    """Only on a choice's first chunk."""
+
+
+class ChatCompletionStreamChoice(TypedDict):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionStreamResponse(TypedDict):
+    """One SSE chunk of a chat completion; the last (with `include_usage`) has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: NotRequired[UsageInfo]
+
+
+class ModelCard(TypedDict):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(TypedDict):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: NotRequired[list[str]]
+    """The vocabulary strings of `tokens`, with `return_token_strs`."""
+
+
+class DetokenizeResponse(TypedDict):
+    prompt: str
+
+
+class VersionResponse(TypedDict):
+    version: str

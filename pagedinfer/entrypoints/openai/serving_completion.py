@@ -1,0 +1,205 @@
+"""`/v1/completions`: one or more prompts (text or token ids), answered as one JSON body or,
+for a single prompt, as an SSE stream.
+
+Every prompt of a non-streaming request is validated before any runs, so one bad prompt
+fails the whole request with a 400 and nothing reaches the engine. Choice `i * n + j` is
+output `j` of prompt `i`. With `echo`, a choice's text starts with its prompt (in a stream,
+on that choice's first chunk). Built and routed by `api_server.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi.responses import Response, StreamingResponse
+
+from pagedinfer.entrypoints.openai.protocol import (
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
+from pagedinfer.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    error_response,
+    failure,
+    json_response,
+    to_sampling_params,
+    usage_info,
+    watched,
+)
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from pagedinfer.engine.input_processor import PromptType
+    from pagedinfer.outputs import CompletionOutput, RequestOutput
+    from pagedinfer.sampling_params import SamplingParams
+    from pagedinfer.tokenizer import Tokenizer
+
+__all__ = ["OpenAIServingCompletion", "completion_logprobs"]
+
+
+def completion_logprobs(
+    c: CompletionOutput, tokenizer: Tokenizer, offset0: int = 0
+) -> CompletionLogprobs | None:
+    """The legacy logprobs of `c`'s tokens; offsets count from `offset0` (an echoed prompt)."""
+    if c.logprobs is None:
+        return None
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    offset = offset0
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        text = tokenizer.decode([token_id])
+        tokens.append(text)
+        token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
+        top.append(
+            {(lp.decoded_token or tokenizer.decode([t])): lp.logprob for t, lp in entry.items()}
+        )
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets
+    )
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handles `/v1/completions`."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        if (bad := self.check_model(request.model)) is not None:
+            return bad
+        prompts = request.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[assignment]
+        if not prompts:
+            return error_response(400, "prompt: at least one prompt is needed", "prompt")
+        if request.stream and len(prompts) > 1:
+            return error_response(400, "prompt: streaming takes one prompt", "prompt")
+        if request.kv_transfer_params is not None and len(prompts) > 1:
+            return error_response(400, "prompt: kv_transfer_params takes one prompt", "prompt")
+        try:
+            params = to_sampling_params(request, request.max_tokens or 16, request.logprobs)
+        except (ValueError, TypeError) as exc:
+            return error_response(400, str(exc))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        inputs: list[PromptType] = [
+            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts
+        ]
+        if request.stream:
+            return await self._stream(request, raw_request, inputs[0], params, request_id)
+        results = await watched(raw_request, self._run_all(inputs, params, request_id))
+        if isinstance(results, Response):
+            return results
+        if (failed := failure(results)) is not None:
+            return error_response(400, failed)
+        return json_response(self._response(request, params, results, request_id))
+
+    async def _run_all(
+        self, inputs: list[PromptType], params: SamplingParams, request_id: str
+    ) -> list[RequestOutput]:
+        """The final outputs of all prompts, run concurrently (request ids `<id>-<i>`)."""
+        # Validate every prompt before any runs: a bad one fails the request alone.
+        for i, prompt in enumerate(inputs):
+            self.engine_client.input_processor.process(f"{request_id}-check-{i}", prompt, params)
+        return await asyncio.gather(
+            *(self._final(p, params, f"{request_id}-{i}") for i, p in enumerate(inputs))
+        )
+
+    async def _final(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> RequestOutput:
+        """The one output of a FINAL_ONLY request."""
+        final = None
+        async for out in self.engine_client.generate(prompt, params, request_id):
+            final = out
+        assert final is not None
+        return final
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        params: SamplingParams,
+        results: list[RequestOutput],
+        request_id: str,
+    ) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        prompt_tokens, completion_tokens, cached, external = 0, 0, 0, 0
+        for i, res in enumerate(results):
+            prompt_tokens += len(res.prompt_token_ids)
+            cached += res.num_cached_tokens
+            external += res.num_external_cached_tokens
+            prefix = ""
+            if request.echo:
+                prefix = res.prompt or self.tokenizer.decode(res.prompt_token_ids)
+            for c in res.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * params.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=completion_logprobs(c, self.tokenizer, len(prefix)),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        response = CompletionResponse(
+            id=request_id,
+            object="text_completion",
+            created=int(time.time()),
+            model=self.model_name,
+            choices=choices,
+            usage=usage_info(prompt_tokens, completion_tokens, cached, external),
+        )
+        # One prompt per request in disaggregated serving (the proxy sends one).
+        if len(results) == 1 and results[0].kv_transfer_params is not None:
+            response["kv_transfer_params"] = results[0].kv_transfer_params
+        return response
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        raw_request: Request,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+    ) -> Response:
+        """The SSE response, once the first output is there (a bad prompt is still a 400)."""
+        gen = self.engine_client.generate(prompt, params, request_id)
+        # Watched: a decode instance may wait on a KV transfer before the first token.
+        first = await watched(raw_request, gen.__anext__())
+        if isinstance(first, Response):
+            return first
+        created = int(time.time())
+        echoed: set[int] = set()
+
+        def choice(out: RequestOutput, c: CompletionOutput) -> CompletionResponseChoice:
+            text = c.text
+            if request.echo and c.index not in echoed:
+                echoed.add(c.index)
+                text = (out.prompt or self.tokenizer.decode(out.prompt_token_ids)) + text
+            return CompletionResponseChoice(
+                index=c.index,
+                text=text,
+                logprobs=completion_logprobs(c, self.tokenizer),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+
+        def chunk(choices: list[CompletionResponseChoice]) -> CompletionStreamResponse:
+            return CompletionStreamResponse(
+                id=request_id,
+                object="text_completion",
+                created=created,
+                model=self.model_name,
+                choices=choices,
+            )
+
+        events = self.stream_events(first, gen, choice, chunk, request.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")

@@ -1,0 +1,358 @@
+"""What the completion and chat handlers share: the engine-client interface the server needs,
+request fields -> `SamplingParams` (structured outputs included), OpenAI-style errors, usage,
+client-disconnect watching and the SSE stream loop.
+
+Invariants: a bad request is a 400 with the error body before anything reaches the engine;
+a request the engine finished with `finish_reason == "error"` is a 400 (or, mid-stream, an
+error event); a dead engine is a 503. A client that goes away cancels its generation, which
+aborts its requests in the engine and frees their blocks. `OpenAIServing` is the base of
+`OpenAIServingCompletion` and `OpenAIServingChat`; `api_server.py` builds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response
+
+from pagedinfer.engine.core_client import EngineDeadError
+from pagedinfer.entrypoints.openai.protocol import (
+    ChatCompletionStreamResponse,
+    CompletionStreamResponse,
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+)
+from pagedinfer.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedinfer.engine.input_processor import InputProcessor, PromptType
+    from pagedinfer.engine.metrics import StatLogger
+    from pagedinfer.outputs import CompletionOutput, RequestOutput
+    from pagedinfer.tokenizer import Tokenizer
+
+__all__ = [
+    "EngineClient",
+    "OpenAIServing",
+    "chat_text",
+    "error_response",
+    "failure",
+    "json_response",
+    "to_sampling_params",
+    "usage_info",
+    "watched",
+]
+
+T = TypeVar("T")
+C = TypeVar("C")  # a choice of a stream chunk
+S = TypeVar("S", CompletionStreamResponse, ChatCompletionStreamResponse)  # a stream chunk
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    422: "BadRequestError",
+    503: "ServiceUnavailableError",
+}
+
+
+class EngineClient(Protocol):
+    """What the server reads of `AsyncLLM` (a test may pass any object shaped like it)."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    input_processor: InputProcessor
+    stat_loggers: list[StatLogger]
+
+    @property
+    def errored(self) -> bool: ...
+
+    def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def get_scheduler_stats(self) -> dict[str, float]: ...
+
+    def shutdown(self) -> None: ...
+
+
+# --------------------------------------------------------------- request -> SamplingParams
+
+
+def _to_structured_outputs_params(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The guided-decoding constraint a request names (at most one of its fields), or None."""
+    given = {
+        "response_format": request.response_format is not None
+        and request.response_format.type != "text",
+        "structured_outputs": request.structured_outputs is not None,
+        "guided_json": request.guided_json is not None,
+        "guided_regex": request.guided_regex is not None,
+        "guided_choice": request.guided_choice is not None,
+        "guided_grammar": request.guided_grammar is not None,
+    }
+    named = [k for k, v in given.items() if v]
+    if len(named) > 1:
+        raise ValueError(f"give at most one of {', '.join(named)}")
+    if not named:
+        return None
+    if request.structured_outputs is not None:
+        fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        return StructuredOutputsParams(**fields)
+    if request.response_format is not None:
+        if request.response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        fmt = request.response_format.json_schema
+        if fmt is None or fmt.json_schema is None:
+            raise ValueError("response_format: json_schema needs a 'schema'")
+        return StructuredOutputsParams(json=fmt.json_schema)
+    return StructuredOutputsParams(
+        json=request.guided_json,
+        regex=request.guided_regex,
+        choice=request.guided_choice,
+        grammar=request.guided_grammar,
+    )
+
+
+def to_sampling_params(
+    request: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """The engine's parameters for `request`; ValueError (a 400) for what the field types
+    cannot express: kv_transfer_params with n > 1, logit_bias keys that are not ids, two
+    guided-decoding fields, and whatever SamplingParams itself rejects."""
+    if request.kv_transfer_params is not None and request.n != 1:
+        # One prompt's KV goes to (or comes from) one request on the other instance.
+        raise ValueError("kv_transfer_params needs n = 1")
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    bias = None
+    if request.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in request.logit_bias.items()}
+        except ValueError as exc:
+            raise ValueError(f"logit_bias keys must be token ids: {exc}") from exc
+    return SamplingParams(
+        n=request.n,
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=0 if request.top_k == -1 else request.top_k,
+        min_p=request.min_p,
+        seed=request.seed,
+        stop=stop,
+        stop_token_ids=request.stop_token_ids,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=bias,
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=_to_structured_outputs_params(request),
+        extra_args=(
+            {"kv_transfer_params": request.kv_transfer_params}
+            if request.kv_transfer_params is not None
+            else None
+        ),
+    )
+
+
+def chat_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A chat message's text: a string, or its text parts joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError("only text content parts are supported")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------- errors
+
+
+def json_response(body: Mapping[str, Any]) -> JSONResponse:
+    """A handler's answer, encoded as FastAPI encodes a returned dict (kv_transfer_params,
+    whatever a connector put in them, included)."""
+    return JSONResponse(jsonable_encoder(body))
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str | None = None
+) -> JSONResponse:
+    """OpenAI's error body, its `type` named after the status unless `kind` is given."""
+    kind = kind or _ERROR_TYPES.get(
+        status, "BadRequestError" if 400 <= status < 500 else "InternalServerError"
+    )
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+    return JSONResponse(body, status_code=status)
+
+
+def _dead_message(exc: BaseException) -> str:
+    """What a client is told when the engine is gone: the first line only (the engine's
+    traceback, if it sent one, is in the server log, not in responses)."""
+    return (str(exc).strip().splitlines() or ["The engine core is dead."])[0]
+
+
+def failure(results: list[RequestOutput]) -> str | None:
+    """The engine's message for a request it finished with an error (e.g. a grammar that
+    failed to compile), or None."""
+    for res in results:
+        for c in res.outputs:
+            if c.finish_reason == "error":
+                return str(c.stop_reason or "the request failed in the engine")
+    return None
+
+
+def _sse_error(exc: BaseException | str, status: int = 503) -> str:
+    """An error event ending a stream: a failed request (400) or a dead engine (503)."""
+    message = exc if isinstance(exc, str) else _dead_message(exc)
+    kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
+    return _sse_event(ErrorResponse(error=ErrorInfo(message=message, type=kind, code=status)))
+
+
+def _sse_event(body: Mapping[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def usage_info(
+    prompt_tokens: int, completion_tokens: int, cached: int, external: int = 0
+) -> UsageInfo:
+    """OpenAI usage. `cached`: prompt tokens not computed here (prefix-cache hits and KV a
+    connector loaded); `external` (only shown when non-zero): of those, the loaded ones."""
+    details = PromptTokensDetails(cached_tokens=cached)
+    if external:
+        details["external_cached_tokens"] = external
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=details,
+    )
+
+
+# ------------------------------------------------------------------- client disconnects
+
+
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+async def _unless_disconnected(raw_request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable` (a non-streaming request's generation, or a stream's first output)
+    while watching the client's connection: if it goes away first, cancel it (which aborts its
+    requests in the engine and frees their blocks, as a dropped stream does) and raise
+    `_ClientGone`. The body has been read, so the next ASGI message is the disconnect."""
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _ClientGone
+    finally:
+        for pending in (watcher, task):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
+
+
+def _gone() -> Response:
+    """No one reads it: the client is gone (nginx's code for "client closed request")."""
+    return Response(status_code=499)
+
+
+async def watched(raw_request: Request, awaitable: Awaitable[T]) -> T | Response:
+    """`awaitable`'s result (see `_unless_disconnected`), or the answer to what stopped it:
+    499 when the client went away, 400 for bad input (ValueError, TypeError), 503 when the
+    engine is dead."""
+    try:
+        return await _unless_disconnected(raw_request, awaitable)
+    except _ClientGone:
+        return _gone()
+    except (ValueError, TypeError) as exc:
+        return error_response(400, str(exc))
+    except EngineDeadError as exc:
+        return error_response(503, _dead_message(exc))
+
+
+# ------------------------------------------------------------------------- the base class
+
+
+class OpenAIServing:
+    """One endpoint's handler over the engine client: model-name checks and streaming."""
+
+    def __init__(self, engine_client: EngineClient, model_name: str) -> None:
+        self.engine_client = engine_client
+        self.model_name = model_name
+        self.tokenizer = engine_client.tokenizer
+
+    def check_model(self, name: str | None) -> JSONResponse | None:
+        """A 404 for a request naming another model than the one served, else None."""
+        if name is not None and name != self.model_name:
+            return error_response(
+                404,
+                f"The model {name!r} does not exist; this server serves {self.model_name!r}.",
+                "model",
+            )
+        return None
+
+    async def stream_events(
+        self,
+        first: RequestOutput,
+        gen: AsyncGenerator[RequestOutput, None],
+        choice: Callable[[RequestOutput, CompletionOutput], C],
+        chunk: Callable[[list[C]], S],
+        include_usage: bool,
+    ) -> AsyncGenerator[str, None]:
+        """SSE stream of `first` and the rest of `gen`: one `chunk(choices)` per output, each
+        choice built by `choice(out, completion)`; then (with `include_usage`) a chunk with
+        no choices and the usage, and [DONE]. A request the engine failed ends the
+        stream at its error event; a dead engine's error event is followed by the usage
+        chunk and [DONE]. `gen` is closed however the stream ends (aborting an unfinished
+        request)."""
+        counts: dict[int, int] = {}
+        cached = first.num_cached_tokens
+
+        def event(out: RequestOutput) -> str:
+            for c in out.outputs:
+                counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+            return _sse_event(chunk([choice(out, c) for c in out.outputs]))
+
+        try:
+            if (failed := failure([first])) is not None:
+                yield _sse_error(failed, 400)
+                return
+            yield event(first)
+            async for out in gen:
+                if (failed := failure([out])) is not None:
+                    yield _sse_error(failed, 400)
+                    return
+                cached = max(cached, out.num_cached_tokens)
+                yield event(out)
+        except EngineDeadError as exc:
+            yield _sse_error(exc)
+        finally:
+            await gen.aclose()
+        if include_usage:
+            last = chunk([])
+            last["usage"] = usage_info(len(first.prompt_token_ids), sum(counts.values()), cached)
+            yield _sse_event(last)
+        yield "data: [DONE]\n\n"

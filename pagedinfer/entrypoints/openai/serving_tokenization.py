@@ -1,0 +1,72 @@
+"""`/tokenize` and `/detokenize` (vLLM's extensions): the served model's tokenizer, without
+running the model.
+
+`/tokenize` takes exactly one of `prompt` (encoded as a completion prompt is) and `messages`
+(rendered with the chat template, as a chat request is); `/detokenize` rejects ids outside
+the vocabulary with a 400. Built and routed by `api_server.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+from pagedinfer.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedinfer.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    chat_text,
+    error_response,
+    json_response,
+)
+
+if TYPE_CHECKING:
+    from fastapi.responses import Response
+
+__all__ = ["OpenAIServingTokenization"]
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    """Handles `/tokenize` and `/detokenize`."""
+
+    async def create_tokenize(self, request: TokenizeRequest) -> Response:
+        if (bad := self.check_model(request.model)) is not None:
+            return bad
+        if (request.prompt is None) == (request.messages is None):
+            return error_response(400, "Give exactly one of 'prompt' and 'messages'.", "prompt")
+        try:
+            if request.messages is not None:
+                messages = [
+                    {"role": m.role, "content": chat_text(m.content)} for m in request.messages
+                ]
+                ids = cast(
+                    "list[int]",
+                    self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=request.add_generation_prompt, tokenize=True
+                    ),
+                )
+            else:
+                ids = self.tokenizer.encode(request.prompt or "", request.add_special_tokens)
+        except (ValueError, TypeError) as exc:
+            param = "messages" if request.messages is not None else "prompt"
+            return error_response(400, str(exc), param)
+        response = TokenizeResponse(
+            count=len(ids), max_model_len=self.engine_client.max_model_len, tokens=list(ids)
+        )
+        if request.return_token_strs:
+            response["token_strs"] = self.tokenizer.convert_ids_to_tokens(list(ids))
+        return json_response(response)
+
+    async def create_detokenize(self, request: DetokenizeRequest) -> Response:
+        if (bad := self.check_model(request.model)) is not None:
+            return bad
+        vocab = self.engine_client.input_processor.vocab_size
+        bad_ids = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad_ids:
+            return error_response(
+                400, f"tokens: ids out of range [0, {vocab}): {bad_ids[:5]}", "tokens"
+            )
+        return json_response(DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens)))

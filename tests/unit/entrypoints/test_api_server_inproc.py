@@ -1,0 +1,427 @@
+"""The OpenAI server in process: FastAPI's TestClient over `FakeEngine`, an object shaped like
+`AsyncLLM` (generate, input_processor, tokenizer, max_model_len, errored, ...) that answers
+with scripted outputs, so the wire format is checked in seconds with no model.
+
+The fake's tokenizer maps each character to its code point. Completion `j` of a request says
+`REPLIES[j]`, one character per token, cut at `max_tokens` ("length") or at a stop string
+("stop", stop_reason the string). A prompt containing "FAIL" ends with finish_reason
+"error"; one containing "DIE" raises EngineDeadError after its first output. With
+`logprobs`, each token has itself (-0.5) and "?" (-2.0) as alternatives. The real-process
+tests (tests/integration/test_openai_server.py and others) stay the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagedinfer.engine.core_client import EngineDeadError
+from pagedinfer.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, build_app
+from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "sk-unit"
+MODEL = DEFAULT_MODEL_NAME
+REPLIES = ["red green", "blue sky", "gold"]
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class FakeTokenizer:
+    """One token per character, its id the code point."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"<{chr(i)}>" for i in ids]
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize=False
+    ) -> str | list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        text += "assistant: " if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+
+class FakeInputProcessor:
+    vocab_size = 1000
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def process(self, request_id: str, prompt: Any, params: SamplingParams, *args: Any) -> Any:
+        ids = prompt.get("prompt_token_ids") or [ord(ch) for ch in prompt.get("prompt", "")]
+        if len(ids) + (params.max_tokens or 0) > self.max_model_len:
+            raise ValueError(f"The prompt is {len(ids)} tokens, too long.")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError("Token id out of vocabulary.")
+        return None, prompt.get("prompt")
+
+
+class FakeEngine:
+    """Scripted `AsyncLLM`: records every request's params and what was aborted."""
+
+    def __init__(self, max_model_len: int = 256) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.input_processor = FakeInputProcessor(max_model_len)
+        self.stat_loggers: list[Any] = []
+        self.dead = False
+        self.params: dict[str, SamplingParams] = {}
+        self.aborted: list[str] = []
+        self.num_cached_tokens = 0
+
+    @property
+    def errored(self) -> bool:
+        return self.dead
+
+    async def get_scheduler_stats(self) -> dict[str, float]:
+        return {"num_running_reqs": 1, "num_waiting_reqs": 2, "kv_cache_usage": 0.25}
+
+    def shutdown(self) -> None:
+        pass
+
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        if self.dead:
+            raise EngineDeadError("Engine core is dead.\nTraceback: hidden")
+        _, text = self.input_processor.process(request_id, prompt, params)
+        ids = prompt.get("prompt_token_ids") or [ord(ch) for ch in text]
+        self.params[request_id] = params
+        said = "".join(chr(i) for i in ids)
+        replies = [self._reply(j, said, params) for j in range(params.n)]
+        finished = False
+        try:
+            if params.output_kind == RequestOutputKind.FINAL_ONLY:
+                finished = True
+                yield self._output(request_id, text, ids, params, replies, None, True)
+                return
+            for step in range(max(len(r[0]) for r in replies)):
+                if step == 1 and "DIE" in said:
+                    raise EngineDeadError("Engine core died.\nTraceback: hidden")
+                finished = step == max(len(r[0]) for r in replies) - 1
+                yield self._output(request_id, text, ids, params, replies, step, finished)
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+
+    @staticmethod
+    def _reply(j: int, prompt: str, params: SamplingParams) -> tuple[str, str, str | None]:
+        """(text, finish_reason, stop_reason) of completion `j`."""
+        if "FAIL" in prompt:
+            return "x", "error", "grammar failed to compile"
+        text, finish, stop_reason = REPLIES[j % len(REPLIES)], "stop", None
+        for stop in params.stop or []:
+            if stop in text:
+                text, stop_reason = text[: text.index(stop)], stop
+        if params.max_tokens is not None and len(text) > params.max_tokens:
+            text, finish = text[: params.max_tokens], "length"
+        return text, finish, stop_reason
+
+    def _output(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        replies: list[tuple[str, str, str | None]],
+        step: int | None,
+        finished: bool,
+    ) -> RequestOutput:
+        """All of each reply (`step` None) or its character `step` (DELTA)."""
+        outputs = []
+        for j, (text, finish, stop_reason) in enumerate(replies):
+            piece = text if step is None else text[step : step + 1]
+            if step is not None and step >= len(text):
+                continue
+            done = step is None or step == len(text) - 1
+            ids = [ord(ch) for ch in piece]
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [
+                    {t: Logprob(-0.5, 1, chr(t)), ord("?"): Logprob(-2.0, 2, "?")} for t in ids
+                ]
+            outputs.append(
+                CompletionOutput(
+                    index=j,
+                    text=piece,
+                    token_ids=ids,
+                    cumulative_logprob=None,
+                    logprobs=logprobs,
+                    finish_reason=finish if done else None,
+                    stop_reason=stop_reason if done else None,
+                )
+            )
+        extra = params.extra_args or {}
+        kv = {"remote_block_ids": [1]} if finished and "kv_transfer_params" in extra else None
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            prompt_logprobs=None,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=kv,
+        )
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def client(engine: FakeEngine) -> Iterator[TestClient]:
+    with TestClient(build_app(engine, MODEL, KEY), headers=AUTH) as test_client:
+        yield test_client
+
+
+def events(text: str) -> list[Any]:
+    """The SSE payloads of a stream, [DONE] as the string; every event is `data: ...\\n\\n`."""
+    assert text.endswith("\n\n")
+    blocks = text[:-2].split("\n\n")
+    assert all(b.startswith("data: ") for b in blocks), blocks
+    payloads = [b[len("data: ") :] for b in blocks]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+def assert_error(resp: Any, status: int, kind: str, message: str, param: Any = ...) -> None:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == kind and error["code"] == status
+    assert message in error["message"], error["message"]
+    if param is not ...:
+        assert error["param"] == param
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "body, message, param",
+    [
+        ({"prompt": "hi", "temperature": 3}, "temperature: Input should be", "temperature"),
+        ({"prompt": "hi", "n": 0}, "n: Input should be greater than or equal to 1", "n"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs:", "logprobs"),
+        ({}, "prompt: Field required", "prompt"),
+        ({"prompt": []}, "prompt: at least one prompt is needed", "prompt"),
+        ({"prompt": ["a", "b"], "stream": True}, "prompt: streaming takes one prompt", "prompt"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias keys must be token ids", None),
+        ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "at most one", None),
+        ({"prompt": "hi", "n": 2, "kv_transfer_params": {}}, "kv_transfer_params needs n", None),
+        ({"prompt": ["a", "b"], "kv_transfer_params": {}}, "takes one prompt", "prompt"),
+        ({"prompt": "x" * 300}, "too long", None),
+        ({"prompt": [[5], [5000]]}, "out of vocabulary", None),
+    ],
+)
+def test_completion_validation_errors(
+    client: TestClient, engine: FakeEngine, body: dict[str, Any], message: str, param: Any
+) -> None:
+    assert_error(client.post("/v1/completions", json=body), 400, "BadRequestError", message, param)
+    assert not engine.params  # nothing reached the engine
+
+
+def test_chat_validation_and_framework_errors(client: TestClient) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    resp = client.post("/v1/chat/completions", json=bad_part)
+    assert_error(resp, 400, "BadRequestError", "only text content parts", "messages")
+    resp = client.post("/v1/chat/completions", json={"messages": []})
+    assert_error(resp, 400, "BadRequestError", "messages: List should have at least 1", "messages")
+    resp = client.post("/v1/chat/completions", json={**chat, "model": "gpt-9"})
+    assert_error(resp, 404, "NotFoundError", "The model 'gpt-9' does not exist", "model")
+    resp = client.post("/v1/chat/completions", content=b"{not json", headers=AUTH)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+    assert_error(client.get("/v1/nowhere"), 404, "NotFoundError", "Not Found", None)
+    assert_error(client.get("/v1/completions"), 405, "MethodNotAllowedError", "Method Not")
+
+
+def test_engine_failure_is_400(client: TestClient) -> None:
+    resp = client.post("/v1/completions", json={"prompt": "FAIL"})
+    assert_error(resp, 400, "BadRequestError", "grammar failed to compile", None)
+    chat = {"messages": [{"role": "user", "content": "FAIL"}], "stream": True}
+    resp = client.post("/v1/chat/completions", json=chat)
+    assert resp.status_code == 200
+    assert events(resp.text) == [
+        {"error": {"message": "grammar failed to compile", "type": "BadRequestError", "code": 400}}
+    ]
+
+
+def test_engine_dies_mid_stream(client: TestClient) -> None:
+    body = {"prompt": "DIE", "stream": True, "stream_options": {"include_usage": True}}
+    resp = client.post("/v1/completions", json=body)
+    first, error, usage, done = events(resp.text)
+    assert first["choices"][0]["text"] == "r"
+    assert error == {
+        "error": {"message": "Engine core died.", "type": "ServiceUnavailableError", "code": 503}
+    }
+    assert usage["usage"]["completion_tokens"] == 1 and done == "[DONE]"
+
+
+# ------------------------------------------------------------------------------- answers
+
+
+def test_completion_n_usage_echo_and_stop(client: TestClient, engine: FakeEngine) -> None:
+    body = {"prompt": ["ab", "c"], "n": 2, "stop": "e", "top_k": -1, "echo": True}
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert set(out) == {"id", "object", "created", "model", "choices", "usage"}
+    assert out["object"] == "text_completion" and out["model"] == MODEL
+    assert out["id"].startswith("cmpl-")
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    texts = [c["text"] for c in out["choices"]]
+    assert texts == ["abr", "abblu", "cr", "cblu"]  # echo, then cut at the stop string
+    assert [c["stop_reason"] for c in out["choices"]] == ["e"] * 4
+    assert all(c["finish_reason"] == "stop" and c["logprobs"] is None for c in out["choices"])
+    assert out["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 8,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    params = next(iter(engine.params.values()))
+    assert params.stop == ["e"] and params.top_k == 0 and params.max_tokens == 16
+    assert params.output_kind == RequestOutputKind.FINAL_ONLY
+
+
+def test_completion_logprobs_and_length(client: TestClient) -> None:
+    body = {"prompt": "hi", "max_tokens": 3, "logprobs": 1}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == "red" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {
+        "tokens": ["r", "e", "d"],
+        "token_logprobs": [-0.5, -0.5, -0.5],
+        "top_logprobs": [{"r": -0.5, "?": -2.0}, {"e": -0.5, "?": -2.0}, {"d": -0.5, "?": -2.0}],
+        "text_offset": [0, 1, 2],
+    }
+
+
+def test_chat_logprobs_and_kv_transfer_params(client: TestClient, engine: FakeEngine) -> None:
+    engine.num_cached_tokens = 4
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    out = client.post("/v1/chat/completions", json=body).json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    assert out["kv_transfer_params"] == {"remote_block_ids": [1]}
+    (choice,) = out["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "re"}
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    first = choice["logprobs"]["content"][0]
+    assert first == {
+        "token": "r",
+        "logprob": -0.5,
+        "bytes": [114],
+        "top_logprobs": [{"token": "r", "logprob": -0.5, "bytes": [114]}],
+    }
+    prompt_tokens = len("user: hi\nassistant: ")
+    assert out["usage"]["prompt_tokens"] == prompt_tokens
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def test_completion_stream_framing_and_usage(client: TestClient) -> None:
+    body = {"prompt": "hi", "max_tokens": 4, "stream": True, "echo": True}
+    body["stream_options"] = {"include_usage": True}
+    resp = client.post("/v1/completions", json=body)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    chunks = events(resp.text)
+    assert chunks[-1] == "[DONE]"
+    *deltas, usage = chunks[:-1]
+    assert [d["choices"][0]["text"] for d in deltas] == ["hir", "e", "d", " "]
+    assert [d["choices"][0]["finish_reason"] for d in deltas] == [None, None, None, "length"]
+    assert all(set(d) == {"id", "object", "created", "model", "choices"} for d in deltas)
+    assert len({d["id"] for d in chunks[:-1]}) == 1
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert usage["usage"]["total_tokens"] == 6
+
+
+def test_chat_stream_n2_roles_and_no_usage(client: TestClient, engine: FakeEngine) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}
+    chunks = events(client.post("/v1/chat/completions", json=body).text)
+    assert chunks[-1] == "[DONE]" and all("usage" not in c for c in chunks[:-1])
+    text: dict[int, str] = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        assert chunk["object"] == "chat.completion.chunk"
+        for c in chunk["choices"]:
+            assert set(c) == {"index", "delta", "logprobs", "finish_reason"}
+            assert ("role" in c["delta"]) == (text[c["index"]] == "")
+            text[c["index"]] += c["delta"]["content"]
+    assert text == {0: REPLIES[0], 1: REPLIES[1]}
+    assert not engine.aborted
+    params = next(iter(engine.params.values()))
+    assert params.output_kind == RequestOutputKind.DELTA and params.max_tokens is None
+
+
+# ----------------------------------------------------- auth, models, tokenize, health
+
+
+def test_auth(engine: FakeEngine) -> None:
+    with TestClient(build_app(engine, MODEL, KEY)) as anonymous:
+        resp = anonymous.get("/v1/models")
+        assert_error(resp, 401, "AuthenticationError", "Invalid or missing API key.", None)
+        resp = anonymous.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert resp.status_code == 401
+        assert anonymous.get("/health").status_code == 200  # only /v1 wants the key
+        assert anonymous.get("/v1/models", headers=AUTH).status_code == 200
+
+
+def test_models_version_and_metrics(client: TestClient) -> None:
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert set(card) == {"id", "object", "created", "owned_by", "max_model_len"}
+    assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", 256)
+    assert client.get("/version").json()["version"]
+    metrics = client.get("/metrics").text
+    assert "pagedinfer:num_requests_waiting" in metrics and "2.0" in metrics
+
+
+def test_tokenize_and_detokenize(client: TestClient) -> None:
+    resp = client.post("/tokenize", json={"prompt": "ab", "return_token_strs": True})
+    assert resp.json() == {
+        "count": 2,
+        "max_model_len": 256,
+        "tokens": [97, 98],
+        "token_strs": ["<a>", "<b>"],
+    }
+    resp = client.post("/tokenize", json={"messages": [{"role": "user", "content": "a"}]})
+    assert resp.json()["count"] == len("user: a\nassistant: ")
+    assert "token_strs" not in resp.json()
+    resp = client.post("/tokenize", json={})
+    assert_error(resp, 400, "BadRequestError", "exactly one of 'prompt' and 'messages'", "prompt")
+    assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+    resp = client.post("/detokenize", json={"tokens": [1, 5000]})
+    assert_error(resp, 400, "BadRequestError", "ids out of range [0, 1000): [5000]", "tokens")
+
+
+def test_dead_engine(client: TestClient, engine: FakeEngine) -> None:
+    engine.dead = True
+    assert_error(client.get("/health"), 503, "ServiceUnavailableError", "dead", None)
+    resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert_error(resp, 503, "ServiceUnavailableError", "Engine core is dead.", None)
+    assert "Traceback" not in resp.text  # the first line only
+    resp = client.post("/v1/completions", json={"prompt": "hi", "stream": True})
+    assert_error(resp, 503, "ServiceUnavailableError", "Engine core is dead.", None)
+    assert "pagedinfer:" in client.get("/metrics").text  # the last known values
+
+
+def test_build_app_registers_its_stat_logger(engine: FakeEngine) -> None:
+    build_app(engine)
+    assert len(engine.stat_loggers) == 1
