@@ -204,7 +204,7 @@ class RayReplicaGroup:
             import ray  # noqa: F401 - fail early, with the install hint
         except ImportError as exc:
             raise ImportError(
-                "data_parallel_backend='ray' needs Ray: pip install 'ray==2.60.0'"
+                "data_parallel_backend='ray' needs Ray: pip install 'pagedinfer[ray]'"
             ) from exc
         self.placement_group: Any = None
         self.actors: list[Any] = []

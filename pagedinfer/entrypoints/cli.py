@@ -326,6 +326,9 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     import asyncio
 
+    from pagedinfer.extras import require_extra
+
+    require_extra("serve", "fastapi", "uvicorn", "prometheus_client", feature="pagedinfer serve")
     import uvicorn
 
     from pagedinfer.engine.async_llm import AsyncLLM
@@ -363,6 +366,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _cmd_disagg_proxy(ns: argparse.Namespace) -> int:
+    from pagedinfer.extras import require_extra
+
+    require_extra("serve", "fastapi", "uvicorn", "aiohttp", feature="pagedinfer disagg-proxy")
     from pagedinfer.entrypoints.disagg_proxy import run_proxy
 
     return run_proxy(
@@ -377,7 +383,17 @@ def _cmd_disagg_proxy(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedinfer.extras import MissingExtraError
+
     ns = build_parser().parse_args(argv)
+    try:
+        return _dispatch(ns)
+    except MissingExtraError as exc:  # one line naming the extra, not a traceback
+        print(f"pagedinfer: {exc}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(ns: argparse.Namespace) -> int:
     if ns.command == "generate":
         return _cmd_generate(ns)
     if ns.command == "serve":

@@ -195,7 +195,7 @@ class RayDistributedExecutor(Executor):
             import ray  # noqa: F401
         except ImportError as exc:
             raise ImportError(
-                "distributed_executor_backend='ray' needs Ray: pip install 'ray==2.60.0'"
+                "distributed_executor_backend='ray' needs Ray: pip install 'pagedinfer[ray]'"
             ) from exc
         par = config.parallel_config
         self.world_size = par.world_size

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from pagedinfer.extras import missing_modules
+
 if TYPE_CHECKING:
     from pagedinfer.tokenizer import Tokenizer
 
@@ -473,6 +475,20 @@ class StructuredOutputBackend(ABC):
         """Drop cached compilations."""
 
 
+_BACKEND_LIBRARIES: dict[str, str] = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+
+
+def require_backend_library(name: str) -> None:
+    """ValueError (a 400 on the server, for that request alone) when the backend's library is
+    not installed: both come with the `guided` extra."""
+    library = _BACKEND_LIBRARIES.get(name)
+    if library is not None and missing_modules(library):
+        raise ValueError(
+            f"the {name} structured output backend needs {library!r}, which is not installed: "
+            "pip install 'pagedinfer[guided]'"
+        )
+
+
 def create_backend(
     name: BackendName,
     tokenizer: Tokenizer,
@@ -481,6 +497,7 @@ def create_backend(
 ) -> StructuredOutputBackend:
     """The backend called `name` ("xgrammar" or "guidance"); options as in
     `StructuredOutputBackend`. Resolve "auto" per request with `resolve_auto_backend`."""
+    require_backend_library(name)
     if name == "xgrammar":
         from pagedinfer.structured_output.backend_xgrammar import XgrammarBackend
 
@@ -504,6 +521,8 @@ def resolve_auto_backend(
 
     The check is tokenizer-free (xgrammar's front-end parsers, llguidance's grammar validator).
     """
+    require_backend_library("xgrammar")
+    require_backend_library("guidance")
     from pagedinfer.structured_output.backend_guidance import validate_guidance_spec
     from pagedinfer.structured_output.backend_xgrammar import validate_xgrammar_spec
 

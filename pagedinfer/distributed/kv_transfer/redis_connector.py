@@ -25,6 +25,7 @@ import torch
 
 from pagedinfer.distributed.kv_transfer.storage import KVLoadError, KVStore, kv_checksum
 from pagedinfer.distributed.kv_transfer.storage_connector import StorageConnector
+from pagedinfer.extras import require_extra
 
 if TYPE_CHECKING:
     from pagedinfer.config import KVTransferConfig
@@ -54,6 +55,7 @@ class RedisStore(KVStore):
     """Entries as Redis keys (the layout above)."""
 
     def __init__(self, kv_config: KVTransferConfig) -> None:
+        require_extra("redis", "redis", feature="kv_connector 'RedisConnector'")
         import redis
 
         url = str(kv_config.get_from_extra_config("redis_url", "redis://127.0.0.1:6379/0"))
