@@ -13,9 +13,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.executor.base import ModelInfo
-from pagedinfer.structured_output.manager import GrammarOutput
 
 __all__ = [
     "LoadModel",

@@ -21,7 +21,7 @@ from pagedinfer.attention.backend import AttentionBackend
 from pagedinfer.attention.cpu_sdpa import CpuPagedBackend, CpuSdpaBackend
 from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedinfer.distributed.kv_transfer.base import layer_name as kv_layer_name
 from pagedinfer.distributed.kv_transfer.factory import create_connector
@@ -310,7 +310,7 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         assert self.runner is not None
         output = self.runner.sample_tokens(grammar_output)
         self._after_step()
