@@ -221,7 +221,7 @@ class EngineCore:
         scheduled, so it has nothing to run until its batch returns (and the scheduler leaves
         a preempted request waiting while its old batch is in flight)."""
         sched = self.scheduler
-        idle_outputs: EngineCoreOutputs | None = None
+        unrun_outputs: EngineCoreOutputs | None = None
         if len(self.batch_queue) < self.batch_queue_size and (
             sched.has_unfinished_requests() or self.has_pending_kv_transfers()
         ):
@@ -231,14 +231,14 @@ class EngineCore:
                 if len(self.batch_queue) < self.batch_queue_size:
                     return EngineCoreOutputs(), True  # fill the pipeline first
             else:
-                idle_outputs, progressed = self._step_without_tokens(scheduler_output)
+                unrun_outputs, progressed = self._step_without_tokens(scheduler_output)
                 if not self.batch_queue:
-                    return idle_outputs, progressed
+                    return unrun_outputs, progressed
         if not self.batch_queue:
             return EngineCoreOutputs(), False
         outputs = self._finish_oldest()
-        if idle_outputs is not None and idle_outputs.outputs:
-            outputs.outputs = idle_outputs.outputs + outputs.outputs
+        if unrun_outputs is not None and unrun_outputs.outputs:
+            outputs.outputs = unrun_outputs.outputs + outputs.outputs
         return outputs, True
 
     def _launch(self, scheduler_output: SchedulerOutput) -> None:
