@@ -64,7 +64,7 @@ import traceback
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -188,9 +188,10 @@ def _remote_worker_class() -> Any:
     import ray
 
     # max_concurrency=1: the calls run one at a time, in the order they were submitted.
-    return ray.remote(num_cpus=1, max_concurrency=1, concurrency_groups={_MONITOR_GROUP: 1})(
-        RayWorkerWrapper
-    )
+    # (Ray's type stubs list only the task options of `ray.remote`, not the actor ones.)
+    return ray.remote(  # type: ignore[call-overload]
+        num_cpus=1, max_concurrency=1, concurrency_groups={_MONITOR_GROUP: 1}
+    )(RayWorkerWrapper)
 
 
 class RayDistributedExecutor(Executor):
@@ -411,7 +412,7 @@ class RayDistributedExecutor(Executor):
     # ------------------------------------------------------------------ RPC
 
     def _decoder(self, reply_type: type) -> MsgpackDecoder:
-        decoders: dict[type, MsgpackDecoder] = self._decoders.__dict__
+        decoders = cast("dict[type, MsgpackDecoder]", self._decoders.__dict__)
         decoder = decoders.get(reply_type)
         if decoder is None:
             decoder = decoders[reply_type] = MsgpackDecoder(reply_type)

@@ -176,6 +176,7 @@ class Worker:
         max_rows = self.config.model_config.quant_max_tokens
         if max_rows > 0 and isinstance(backend, CpuPagedBackend):
             blocks = load_quant_blocks(path, arch, wanted)
+            assert backend.kernel is not None  # the paged backend's C++ build
             num_quant = model.load_quantized(
                 blocks, backend.kernel, max_rows, quantize_lm_head=self.dtype != torch.float32
             )
@@ -219,6 +220,7 @@ class Worker:
         if self.draft is not None:
             total += kv_cache_bytes_per_block(self.draft[0], bs, self.dtype)
         if self._eagle():
+            assert self.arch is not None
             total += kv_cache_bytes_per_block(self.arch, bs, self.dtype) // max(
                 self.arch.num_hidden_layers, 1
             )  # the head's one decoder layer
