@@ -253,3 +253,35 @@ def test_runner_returns_the_output_of_a_step_without_tokens_from_execute_model(
         assert len(tokens["a"]) == 2 and num_steps == 2
     finally:
         core.shutdown()
+
+
+class _StubWorker:
+    """What `handle_call` needs of a worker: the runner's `execute_model` contract."""
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        return None
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[1]])
+
+
+def test_worker_process_answers_a_step_without_tokens_from_the_output_rank() -> None:
+    """The process executors wait for a reply to `ExecuteModel` exactly when the step has
+    no tokens (`Executor.execute_model`); only the output rank sends it."""
+    from pagedinfer.core.sched_output import CachedRequestData
+    from pagedinfer.executor.messages import ExecuteModel, SampleTokens
+    from pagedinfer.executor.worker_proc import handle_call
+
+    worker = _StubWorker()
+    empty = SchedulerOutput([], CachedRequestData(), {}, 0)
+    batch = SchedulerOutput([], CachedRequestData(), {"a": 1}, 1)
+    wanted, result = handle_call(worker, ExecuteModel(empty), rank=1, output_rank=1)
+    assert wanted and isinstance(result, ModelRunnerOutput) and result.req_ids == []
+    assert not handle_call(worker, ExecuteModel(empty), rank=0, output_rank=1)[0]
+    assert handle_call(worker, ExecuteModel(batch), rank=1, output_rank=1) == (False, None)
+    wanted, result = handle_call(worker, SampleTokens(), rank=1, output_rank=1)
+    assert wanted and result.req_ids == ["a"]
+    wanted, result = handle_call(worker, ExecuteModel(batch, True), rank=1, output_rank=1)
+    assert wanted and result.req_ids == ["a"]
