@@ -41,8 +41,9 @@ class InitializeCache(msgspec.Struct, tag=True, array_like=True):
 
 
 class ExecuteModel(msgspec.Struct, tag=True, array_like=True):
-    """Forward pass; no reply. With `sample`, the output rank also samples (grammar
-    included) and replies: one message per step for pipelined batches."""
+    """Forward pass; no reply, except from the output rank for a step without tokens (its
+    output, at once: `Executor.execute_model`). With `sample`, the output rank also samples
+    (grammar included) and replies: one message per step for pipelined batches."""
 
     scheduler_output: SchedulerOutput
     sample: bool = False
