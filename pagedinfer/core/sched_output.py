@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 # Imported at run time: the executor decodes these dataclasses by their annotations.
 from pagedinfer.core.messages import LogprobsLists
 from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
@@ -31,7 +33,13 @@ from pagedinfer.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagedinfer.core.request import Request
 
-__all__ = ["NewRequestData", "CachedRequestData", "SchedulerOutput", "ModelRunnerOutput"]
+__all__ = [
+    "NewRequestData",
+    "CachedRequestData",
+    "SchedulerOutput",
+    "ModelRunnerOutput",
+    "GrammarOutput",
+]
 
 
 @dataclass
@@ -120,3 +128,21 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+@dataclass
+class GrammarOutput:
+    """Engine core -> worker, beside a `SchedulerOutput`: the step's guided-decoding bitmask
+    (`StructuredOutputManager.grammar_bitmask`), rows in the batch order of `req_ids`. The
+    runner sets the logits of disallowed tokens to -inf before sampling. numpy, so it crosses
+    to worker processes as raw bytes."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray  # int32 [sum(num_rows), ceil(vocab_size / 32)]
+    num_rows: list[int] = field(default_factory=list)
+    """Rows per request (1 + its scheduled draft tokens), in `req_ids` order; empty means one
+    row each."""
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def rows_of(self, index: int) -> int:
+        return self.num_rows[index] if self.num_rows else 1

@@ -2,9 +2,10 @@
 
 A message is any msgspec-encodable object (msgspec Structs, dataclasses, lists, dicts,
 scalars...) that may hold `torch.Tensor` and `numpy.ndarray` values anywhere, e.g.
-`SchedulerOutput` or `GrammarOutput`. Nothing is pickled: a message cannot run code on its
-receiver, and the receiver decodes into a declared type, so a malformed message fails as a
-`msgspec.ValidationError` at the boundary instead of deep inside the model runner.
+`SchedulerOutput` or `GrammarOutput` (both in core/sched_output.py). Nothing is pickled: a
+message cannot run code on its receiver, and the receiver decodes into a declared type, so a
+malformed message fails as a `msgspec.ValidationError` at the boundary instead of deep
+inside the model runner.
 
 `MsgpackEncoder.encode(obj)` returns a list of buffers, the shape `MessageQueue.enqueue`
 takes: buffer 0 is the msgpack document, and each array becomes a msgpack extension value

@@ -2,8 +2,10 @@
 
 `EngineCore.step()` is the heartbeat (vLLM's design):
     schedule -> execute_model -> (grammar bitmask) -> sample_tokens -> update_from_output.
-It is driven in-process by `LLMEngine` today; a busy-looping process subclass can drive
-the same object later without changing it.
+Every batch takes that one path through a batch queue (one batch, or one per pipeline stage
+in flight). `step()` never sleeps: it reports whether it made progress, and its drivers
+(`LLMEngine.step`, `InprocClient`, the busy loop of `EngineCoreProc`) wait
+`poll_interval_s()` when it did not.
 
 Startup: load the model on the executor, derive `max_model_len` and the number of KV blocks,
 check that one full-length request fits in the cache, allocate the cache, build the
@@ -13,7 +15,6 @@ scheduler. The derived values are kept here (never written back into the frozen 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -76,9 +77,12 @@ class EngineCore:
                 "KV transfer: %s as %s (engine %s).",
                 kv_config.kv_connector, kv_config.kv_role, kv_config.engine_id,
             )  # fmt: skip
-        # Pipeline parallelism: up to one batch per stage in flight (step_with_batch_queue).
+        # Batches launched and not yet finished (`step`): one, or under pipeline parallelism
+        # up to one per stage, each as its output or (in flight) a future of it.
         self.batch_queue_size = self.executor.max_concurrent_batches
-        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.batch_queue: deque[
+            tuple[ModelRunnerOutput | Future[ModelRunnerOutput], SchedulerOutput]
+        ] = deque()
         self.peak_batches_in_flight = 0
         cache_config = config.cache_config
         self.block_hasher: BlockHasher | None = None
@@ -195,94 +199,115 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
-    def step(self) -> EngineCoreOutputs:
-        if self.batch_queue_size > 1:
-            return self.step_with_batch_queue()
-        if not self.scheduler.has_unfinished_requests() and not self.has_pending_kv_transfers():
-            return EngineCoreOutputs()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0 and self.kv_connector is not None:
-            # Nothing to compute, but loads may start and transfers finish: the workers
-            # run the connector's step anyway.
+    def poll_interval_s(self) -> float:
+        """How long a driver of `step()` waits after a step that made no progress before it
+        steps again: 1 ms while requests wait (for a grammar compile, a KV load or a batch
+        slot), 10 ms when only blocks held for a remote reader are left, 0 with nothing."""
+        if self.scheduler.has_unfinished_requests():
+            return 0.001
+        return 0.01 if self.has_pending_kv_transfers() else 0.0
+
+    def step(self) -> tuple[EngineCoreOutputs, bool]:
+        """One engine step: the outputs, and whether it made progress (ran or launched a
+        batch, or emitted, loaded or transferred anything). A driver that gets False waits
+        `poll_interval_s()` before the next step instead of spinning; `step()` never sleeps.
+
+        Every batch goes through the batch queue: schedule, launch (`_launch`), and once the
+        queue is full, finish the oldest (`_finish_oldest`). Without pipeline parallelism the
+        queue holds one batch, launched and finished in the same step. With it, up to one
+        batch per stage is in flight: the next is scheduled and launched while earlier ones
+        are still in the pipeline, and only then is the oldest waited for. A request runs in
+        one in-flight batch at a time: its `num_computed_tokens` advanced when it was
+        scheduled, so it has nothing to run until its batch returns (and the scheduler leaves
+        a preempted request waiting while its old batch is in flight)."""
+        sched = self.scheduler
+        unrun_outputs: EngineCoreOutputs | None = None
+        if len(self.batch_queue) < self.batch_queue_size and (
+            sched.has_unfinished_requests() or self.has_pending_kv_transfers()
+        ):
+            scheduler_output = sched.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                self._launch(scheduler_output)
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return EngineCoreOutputs(), True  # fill the pipeline first
+            else:
+                unrun_outputs, progressed = self._step_without_tokens(scheduler_output)
+                if not self.batch_queue:
+                    return unrun_outputs, progressed
+        if not self.batch_queue:
+            return EngineCoreOutputs(), False
+        outputs = self._finish_oldest()
+        if unrun_outputs is not None and unrun_outputs.outputs:
+            outputs.outputs = unrun_outputs.outputs + outputs.outputs
+        return outputs, True
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a batch with tokens and queue it: in one go (forward, grammar bitmask while
+        it runs, sample) with a queue of one, asynchronously under pipeline parallelism."""
+        requests = self.scheduler.requests
+        if self.batch_queue_size == 1:
             runner_output = self.executor.execute_model(scheduler_output)
-            assert runner_output is not None
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            kv_output = runner_output.kv_connector_output
+            if runner_output is None:
+                grammar_output = self.structured_output_manager.grammar_bitmask(
+                    requests, scheduler_output
+                )
+                runner_output = self.executor.sample_tokens(grammar_output)
+            self.batch_queue.append((runner_output, scheduler_output))
+        else:
+            grammar_output = self.structured_output_manager.grammar_bitmask(
+                requests, scheduler_output
+            )
+            future = self.executor.execute_model_async(scheduler_output, grammar_output)
+            self.batch_queue.append((future, scheduler_output))
+            self.scheduler.in_flight.update(scheduler_output.num_scheduled_tokens)
+        self.peak_batches_in_flight = max(self.peak_batches_in_flight, len(self.batch_queue))
+
+    def _finish_oldest(self) -> EngineCoreOutputs:
+        """Wait for the oldest queued batch and hand its output to the scheduler; the trace
+        gets one record per batch (the notes since the previous record: under pipeline
+        parallelism those include the batches scheduled since)."""
+        result, scheduler_output = self.batch_queue.popleft()
+        runner_output = result.result() if isinstance(result, Future) else result
+        sched = self.scheduler
+        if sched.in_flight:
+            sched.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+        outputs = sched.update_from_output(scheduler_output, runner_output)
+        self._stats_dirty = True
+        if self.tracer is not None:
+            self.tracer.end_step(
+                [o.request_id for o in outputs.outputs if o.finished],
+                sched.kv_cache_manager.usage,
+            )
+        return outputs
+
+    def _step_without_tokens(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[EngineCoreOutputs, bool]:
+        """A schedule with nothing to compute: (outputs, whether anything progressed).
+
+        With a KV connector the workers run its step anyway (loads may start, transfers
+        finish); a poll where nothing was admitted, finished or transferred reports nothing
+        (a front end would otherwise get a message per poll). Without one, only requests
+        whose grammar is still compiling (or just failed) are left, nothing reaches the
+        workers, and the requests finished since the last batch wait for the next one."""
+        sched = self.scheduler
+        if self.kv_connector is not None:
+            runner_output = self.executor.execute_model(scheduler_output)
+            assert runner_output is not None, "a step without tokens returns its output"
+            outputs = sched.update_from_output(scheduler_output, runner_output)
             self._stats_dirty = True
+            kv_output = runner_output.kv_connector_output
             meta = scheduler_output.kv_connector_metadata
             if (
                 not outputs.outputs
                 and (kv_output is None or kv_output.is_empty())
                 and not (meta is not None and meta.loads)
             ):
-                # Nothing admitted, finished or transferred: report nothing (a front end
-                # would otherwise get a message per poll), and poll slower when only blocks
-                # held for a remote reader are left.
-                time.sleep(0.001 if self.scheduler.has_unfinished_requests() else 0.01)
-                return EngineCoreOutputs()
-            return outputs
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            # Only requests whose grammar is still compiling (or that just failed): nothing
-            # to run. Yield the CPU to the compile threads instead of spinning.
-            outputs = self.scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
-            if not outputs.outputs:
-                time.sleep(0.001)
-            return outputs
-        runner_output = self.executor.execute_model(scheduler_output)
-        if runner_output is None:
-            # The grammar bitmask is filled here, while a device (if any) runs the model.
-            grammar_output = self.structured_output_manager.grammar_bitmask(
-                self.scheduler.requests, scheduler_output
-            )
-            runner_output = self.executor.sample_tokens(grammar_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._stats_dirty = True
-        if self.tracer is not None:
-            self.tracer.end_step(
-                [o.request_id for o in outputs.outputs if o.finished],
-                self.scheduler.kv_cache_manager.usage,
-            )
-        return outputs
-
-    def step_with_batch_queue(self) -> EngineCoreOutputs:
-        """Pipeline parallelism: schedule and launch a batch while earlier ones are still in
-        the pipeline (up to one per stage), and only then wait for the oldest.
-
-        A request runs in one in-flight batch at a time: its `num_computed_tokens` advanced
-        when it was scheduled, so it has nothing to run until its batch returns (and the
-        scheduler leaves a preempted request waiting while its old batch is in flight)."""
-        sched = self.scheduler
-        outputs = EngineCoreOutputs()
-        if len(self.batch_queue) < self.batch_queue_size and sched.has_unfinished_requests():
-            so = sched.schedule()
-            if so.total_num_scheduled_tokens > 0:
-                grammar_output = self.structured_output_manager.grammar_bitmask(sched.requests, so)
-                future = self.executor.execute_model_async(so, grammar_output)
-                self.batch_queue.append((future, so))
-                self.peak_batches_in_flight = max(
-                    self.peak_batches_in_flight, len(self.batch_queue)
-                )
-                sched.in_flight.update(so.num_scheduled_tokens)
-                if len(self.batch_queue) < self.batch_queue_size:
-                    return outputs  # fill the pipeline first
-            else:
-                # Nothing runnable now; finished ids wait for the next real batch.
-                sched.finished_req_ids |= so.finished_req_ids
-                outputs = sched.update_from_output(so, EMPTY_MODEL_RUNNER_OUTPUT)
-                if not self.batch_queue:
-                    if not outputs.outputs:
-                        time.sleep(0.001)
-                    return outputs
-        if not self.batch_queue:
-            return outputs
-        future, so = self.batch_queue.popleft()
-        runner_output = future.result()
-        for req_id in so.num_scheduled_tokens:
-            sched.in_flight.discard(req_id)
-        step_outputs = sched.update_from_output(so, runner_output)
-        step_outputs.outputs = outputs.outputs + step_outputs.outputs
-        self._stats_dirty = True
-        return step_outputs
+                return EngineCoreOutputs(), False
+            return outputs, True
+        sched.finished_req_ids |= scheduler_output.finished_req_ids
+        outputs = sched.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
+        return outputs, bool(outputs.outputs)
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

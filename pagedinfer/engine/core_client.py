@@ -564,11 +564,13 @@ class InprocClient(EngineCoreClient):
             self._apply_inputs()
             if self.core.has_unfinished_requests() or self.core.has_pending_kv_transfers():
                 try:
-                    outputs = await asyncio.to_thread(self.core.step)
+                    outputs, progressed = await asyncio.to_thread(self.core.step)
                 except Exception as exc:
                     self._dead_reason = f"Engine core step failed: {type(exc).__name__}: {exc}"
                     logger.exception("Engine core step failed.")
                     raise EngineDeadError(self._dead_reason) from exc
+                if not progressed:  # a grammar compile or a KV transfer pending
+                    await asyncio.sleep(self.core.poll_interval_s())
                 if outputs.outputs or outputs.scheduler_stats is not None:
                     return outputs
                 continue

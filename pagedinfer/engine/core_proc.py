@@ -4,8 +4,9 @@ The wire protocol (message kinds and payload types) is `engine/protocol.py`.
 
 The process runs three threads, as vLLM's does: an input thread decodes messages into
 `input_queue`, the main thread busy-loops (apply inputs, `step()`, queue the outputs;
-block on the input queue when there is nothing to run), an output thread encodes and
-sends. Torch releases the GIL inside its kernels, so socket work overlaps the forward pass.
+block on the input queue when there is nothing to run, wait `poll_interval_s()` after a
+step that made no progress), an output thread encodes and sends. Torch releases the GIL
+inside its kernels, so socket work overlaps the forward pass.
 The engine exits when told to, when a step raises (after sending FATAL), or, so that it
 never outlives the server, when the front end is gone. How that is seen depends on who
 started the process:
@@ -23,6 +24,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -83,9 +85,11 @@ class EngineCoreProc(EngineCore):
                 self._handle_input(*self.input_queue.get_nowait())
             if self._shutdown:
                 break
-            outputs = self.step()
+            outputs, progressed = self.step()
             if outputs.outputs or outputs.scheduler_stats is not None:
                 self.output_queue.put((OutputKind.OUTPUTS, outputs))
+            if not progressed:
+                time.sleep(self.poll_interval_s())  # a grammar compile or a transfer pending
 
 
 def _input_thread(

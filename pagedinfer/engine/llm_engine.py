@@ -237,7 +237,13 @@ class LLMEngine:
         self.engine_core.abort_requests(removed)
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.engine_core.step()
+        """One engine core step and the request outputs it completed. After a step that
+        made no progress (a grammar compiling, a KV transfer pending) it waits the core's
+        poll interval, so that a `while engine.has_unfinished_requests(): engine.step()`
+        loop does not spin."""
+        outputs, progressed = self.engine_core.step()
+        if not progressed:
+            time.sleep(self.engine_core.poll_interval_s())
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

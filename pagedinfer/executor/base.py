@@ -2,6 +2,12 @@
 
 `EngineCore` only ever calls these methods; whether the worker lives in the same process
 (`UniProcExecutor`) or in one process per rank behind shared-memory queues is hidden here.
+
+A step is `execute_model(scheduler_output)` and then, unless that returned the step's
+`ModelRunnerOutput`, `sample_tokens(grammar_output)`: the engine fills the grammar bitmask
+between the two calls, while the forward pass runs. A step with no scheduled tokens (the KV
+connector's poll: loads start, finished transfers are reported) runs no forward pass and
+returns its output from `execute_model` at once; every other step returns None there.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["Executor", "ExecutorFailed", "ModelInfo"]
 
@@ -61,7 +67,7 @@ class Executor(ABC):
         return 1
 
     def execute_model_async(
-        self, scheduler_output: SchedulerOutput, grammar_output: object | None
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
     ) -> Future[ModelRunnerOutput]:
         """Forward and sample in one go, returning at once (pipeline parallelism keeps up
         to `max_concurrent_batches` of these in flight). The default runs it inline."""
@@ -86,11 +92,14 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run the forward pass; None means "call sample_tokens() next"."""
+        """Start the step's forward pass and return None: `sample_tokens()` returns the
+        step's output. A step with no scheduled tokens has no forward pass and returns its
+        `ModelRunnerOutput` here (its KV connector's transfers); no `sample_tokens()` follows."""
 
     @abstractmethod
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
-        """Sample from the logits of the last execute_model()."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample from the logits of the last execute_model() (that returned None), with the
+        disallowed tokens of `grammar_output`'s requests masked."""
 
     def shutdown(self) -> None:
         """Release workers (no-op in-process)."""

@@ -13,9 +13,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.executor.base import ModelInfo
-from pagedinfer.structured_output.manager import GrammarOutput
 
 __all__ = [
     "LoadModel",
@@ -42,8 +41,9 @@ class InitializeCache(msgspec.Struct, tag=True, array_like=True):
 
 
 class ExecuteModel(msgspec.Struct, tag=True, array_like=True):
-    """Forward pass; no reply. With `sample`, the output rank also samples (grammar
-    included) and replies: one message per step for pipelined batches."""
+    """Forward pass; no reply, except from the output rank for a step without tokens (its
+    output, at once: `Executor.execute_model`). With `sample`, the output rank also samples
+    (grammar included) and replies: one message per step for pipelined batches."""
 
     scheduler_output: SchedulerOutput
     sample: bool = False

@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 
 from pagedinfer.config import EngineConfig, config_to_json
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.distributed.shm_mq import Handle, MessageQueue
 from pagedinfer.executor.base import Executor, ExecutorFailed, ModelInfo
@@ -303,10 +303,13 @@ class MultiProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self._broadcast(ExecuteModel(scheduler_output))
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # No forward pass: the output rank answers with the step's output at once.
+            return self._reply(self.output_rank, RunnerOutputReply)
         return None  # the engine computes the grammar bitmask, then sample_tokens()
 
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
-        self._broadcast(SampleTokens(grammar_output))  # type: ignore[arg-type]
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        self._broadcast(SampleTokens(grammar_output))
         return self._reply(self.output_rank, RunnerOutputReply)
 
     @property
@@ -314,11 +317,11 @@ class MultiProcExecutor(Executor):
         return self.config.parallel_config.pipeline_parallel_size
 
     def execute_model_async(
-        self, scheduler_output: SchedulerOutput, grammar_output: object | None
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
     ) -> Future[ModelRunnerOutput]:
         """Forward and sample as one call; the reply is collected by a single thread, so
         replies are matched to calls in order."""
-        self._broadcast(ExecuteModel(scheduler_output, True, grammar_output))  # type: ignore[arg-type]
+        self._broadcast(ExecuteModel(scheduler_output, True, grammar_output))
         if self._reply_pool is None:
             self._reply_pool = ThreadPoolExecutor(1, thread_name_prefix="executor-replies")
         return self._reply_pool.submit(self._reply, self.output_rank, RunnerOutputReply)

@@ -64,10 +64,10 @@ import traceback
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 from pagedinfer.config import EngineConfig, config_from_json, config_to_json
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.ray_utils import connect_to_cluster, first_line, ray_is_connected
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.executor.base import Executor, ExecutorFailed, ModelInfo
@@ -177,9 +177,10 @@ def _remote_worker_class() -> Any:
     import ray
 
     # max_concurrency=1: the calls run one at a time, in the order they were submitted.
-    return ray.remote(num_cpus=1, max_concurrency=1, concurrency_groups={_MONITOR_GROUP: 1})(
-        RayWorkerWrapper
-    )
+    # (Ray's type stubs list only the task options of `ray.remote`, not the actor ones.)
+    return ray.remote(  # type: ignore[call-overload]
+        num_cpus=1, max_concurrency=1, concurrency_groups={_MONITOR_GROUP: 1}
+    )(RayWorkerWrapper)
 
 
 class RayDistributedExecutor(Executor):
@@ -400,7 +401,7 @@ class RayDistributedExecutor(Executor):
     # ------------------------------------------------------------------ RPC
 
     def _decoder(self, reply_type: type) -> MsgpackDecoder:
-        decoders: dict[type, MsgpackDecoder] = self._decoders.__dict__
+        decoders = cast("dict[type, MsgpackDecoder]", self._decoders.__dict__)
         decoder = decoders.get(reply_type)
         if decoder is None:
             decoder = decoders[reply_type] = MsgpackDecoder(reply_type)
@@ -509,11 +510,16 @@ class RayDistributedExecutor(Executor):
         self._await_all(self._submit(InitializeCache(num_blocks)), AnyReply)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        self._defer(self._submit(ExecuteModel(scheduler_output)))
+        refs = self._submit(ExecuteModel(scheduler_output))
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # No forward pass: the output rank answers with the step's output at once.
+            self._defer(refs, skip_rank=self.output_rank)
+            return self._await(self.output_rank, refs[self.output_rank], RunnerOutputReply)
+        self._defer(refs)
         return None  # the engine computes the grammar bitmask, then sample_tokens()
 
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
-        refs = self._submit(SampleTokens(grammar_output))  # type: ignore[arg-type]
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        refs = self._submit(SampleTokens(grammar_output))
         self._defer(refs, skip_rank=self.output_rank)
         return self._await(self.output_rank, refs[self.output_rank], RunnerOutputReply)
 
@@ -522,12 +528,12 @@ class RayDistributedExecutor(Executor):
         return self.config.parallel_config.pipeline_parallel_size
 
     def execute_model_async(
-        self, scheduler_output: SchedulerOutput, grammar_output: object | None
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
     ) -> Future[ModelRunnerOutput]:
         """Forward and sample as one call. A single thread awaits the output rank's replies
         (in call order), watching the other ranks' calls as `sample_tokens` does: a bare
         `ref.future()` would never resolve if another rank failed."""
-        refs = self._submit(ExecuteModel(scheduler_output, True, grammar_output))  # type: ignore[arg-type]
+        refs = self._submit(ExecuteModel(scheduler_output, True, grammar_output))
         self._defer(refs, skip_rank=self.output_rank)
         if self._reply_pool is None:
             self._reply_pool = ThreadPoolExecutor(1, thread_name_prefix="executor-replies")

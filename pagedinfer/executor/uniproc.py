@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.executor.base import Executor, ModelInfo
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         return self.worker.sample_tokens(grammar_output)
 
     def shutdown(self) -> None:

@@ -117,10 +117,11 @@ def handle_call(worker: Any, call: Any, rank: int, output_rank: int) -> tuple[bo
         return True, worker.initialize_cache(call.num_blocks)
     if isinstance(call, ExecuteModel):
         result = worker.execute_model(call.scheduler_output)
-        if call.sample:
+        if result is None and call.sample:
             result = worker.sample_tokens(call.grammar_output)
-        # Only the output rank answers for a step (the others' results are None).
-        return call.sample and rank == output_rank, result
+        # Only the output rank answers for a step, once it has the step's output: after
+        # sampling, or at once for a step without tokens (`Executor.execute_model`).
+        return (call.sample or result is not None) and rank == output_rank, result
     if isinstance(call, SampleTokens):
         return rank == output_rank, worker.sample_tokens(call.grammar_output)
     if isinstance(call, Utility):

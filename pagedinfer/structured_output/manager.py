@@ -27,11 +27,10 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from pagedinfer.core.sched_output import GrammarOutput
 from pagedinfer.sampling_params import StructuredOutputsParams
 from pagedinfer.structured_output.backend import (
     StructuredOutputBackend,
@@ -48,7 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedinfer")
 
-__all__ = ["GrammarOutput", "StructuredOutputManager", "StructuredOutputRequest", "spec_key"]
+__all__ = ["StructuredOutputManager", "StructuredOutputRequest", "spec_key"]
 
 
 def spec_key(params: StructuredOutputsParams) -> tuple[StructuredOutputOptions, str]:
@@ -96,22 +95,6 @@ class StructuredOutputRequest:
             self.error = "grammar compilation timed out"
             return True
         return False
-
-
-@dataclass
-class GrammarOutput:
-    """The step's bitmask rows, in batch order of `req_ids` (numpy: cheap to send to
-    workers in other processes)."""
-
-    req_ids: list[str]
-    bitmask: np.ndarray  # int32 [sum(num_rows), ceil(vocab / 32)]
-    num_rows: list[int] = field(default_factory=list)
-    """Rows per request (1 + its scheduled draft tokens), in `req_ids` order; empty means one
-    row each."""
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def rows_of(self, index: int) -> int:
-        return self.num_rows[index] if self.num_rows else 1
 
 
 class StructuredOutputManager:

@@ -25,7 +25,7 @@ from pagedinfer.attention.backend import AttentionBackend, ForwardContext, set_f
 from pagedinfer.attention.metadata import make_attention_metadata, padded_block_table
 from pagedinfer.config import SpeculativeConfig
 from pagedinfer.core.messages import LogprobsLists
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
 from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.distributed.parallel_state import get_pp_group
@@ -149,32 +149,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The forward pass; None: `sample_tokens()` returns the step's output. A step with
+        no scheduled tokens returns its (empty) output here, with the KV connector's
+        transfers (the `Executor.execute_model` contract)."""
         self._update_states(so)
         connector = self.kv_connector
         if connector is None:
-            return self._execute(so)
+            if so.total_num_scheduled_tokens == 0:
+                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            self._execute(so)
+            return None
         connector.bind_connector_metadata(so.kv_connector_metadata or KVConnectorMetadata())
         try:
             connector.start_load_kv()
-            output = self._execute(so)
+            if so.total_num_scheduled_tokens > 0:
+                self._execute(so)
             connector.wait_for_save()
         finally:
             connector.clear_connector_metadata()
         kv_output = connector.get_finished(so.finished_req_ids)
-        if output is not None:  # nothing to compute: report the transfers alone
-            output.kv_connector_output = kv_output
-        else:
-            assert self._step is not None
-            self._step.kv_connector_output = kv_output
-        return output
+        if so.total_num_scheduled_tokens == 0:  # nothing computed: the transfers alone
+            return ModelRunnerOutput(
+                req_ids=[], req_id_to_index={}, sampled_token_ids=[], kv_connector_output=kv_output
+            )
+        assert self._step is not None
+        self._step.kv_connector_output = kv_output
+        return None
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        if so.total_num_scheduled_tokens == 0:
-            if self.kv_connector is not None:
-                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-            self._step = _StepState([], [], None, {})
-            return None
-
+    def _execute(self, so: SchedulerOutput) -> None:
+        """Run the scheduled tokens (at least one) and leave the step in `self._step`."""
         bs = self.block_size
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
@@ -238,7 +241,7 @@ class ModelRunner:
                 for req_id in req_ids:
                     self.requests[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
                 self._step = _StepState(req_ids, [], None, {})
-                return None
+                return
             hidden = stage_hidden
         else:
             with set_forward_context(ctx):
@@ -270,7 +273,6 @@ class ModelRunner:
                 (r, int(qsl_np[i]), int(computed_np[i]), int(num_scheduled[i]))
                 for i, r in enumerate(req_ids)
             ]
-        return None
 
     def _forward_stage(
         self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor
@@ -327,7 +329,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         step = self._step
         assert step is not None, "sample_tokens() without execute_model()"
         self._step = None
@@ -420,7 +422,7 @@ class ModelRunner:
 
     @staticmethod
     def _apply_grammar_bitmask(
-        logits: torch.Tensor, first_row: dict[str, int], grammar_output
+        logits: torch.Tensor, first_row: dict[str, int], grammar_output: GrammarOutput
     ) -> None:
         """Disallowed tokens of the structured requests' rows -> -inf (before sampling, so
         penalties, temperature and top-k/p only ever see allowed tokens). The mask's rows

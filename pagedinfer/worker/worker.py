@@ -21,7 +21,7 @@ from pagedinfer.attention.backend import AttentionBackend
 from pagedinfer.attention.cpu_sdpa import CpuPagedBackend, CpuSdpaBackend
 from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
-from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedinfer.distributed.kv_transfer.base import layer_name as kv_layer_name
 from pagedinfer.distributed.kv_transfer.factory import create_connector
@@ -179,6 +179,7 @@ class Worker:
         max_rows = self.config.model_config.quant_max_tokens
         if max_rows > 0 and isinstance(backend, CpuPagedBackend):
             blocks = load_quant_blocks(path, arch, wanted)
+            assert backend.kernel is not None  # the paged backend's C++ build
             num_quant = model.load_quantized(
                 blocks, backend.kernel, max_rows, quantize_lm_head=self.dtype != torch.float32
             )
@@ -222,6 +223,7 @@ class Worker:
         if self.draft is not None:
             total += kv_cache_bytes_per_block(self.draft[0], bs, self.dtype)
         if self._eagle():
+            assert self.arch is not None
             total += kv_cache_bytes_per_block(self.arch, bs, self.dtype) // max(
                 self.arch.num_hidden_layers, 1
             )  # the head's one decoder layer
@@ -313,7 +315,7 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: object | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         assert self.runner is not None
         output = self.runner.sample_tokens(grammar_output)
         self._after_step()

@@ -57,3 +57,60 @@ def test_trace_of_chunked_prefill_and_a_prefix_hit(tmp_path, prompts) -> None:
     assert ">192+11<" in page  # the hit cell: 192 cached + 11 computed
     assert "class='decode" in page
     assert f"{len(steps)} steps, 4 requests" in page
+
+
+def _traced_run(model: str, tmp_path, pp: int) -> tuple[list[dict], int, list[list[int]]]:
+    """(step records, batches the engine launched, token ids) of a greedy run."""
+    from pagedinfer import LLM, SamplingParams
+
+    trace = tmp_path / f"pp{pp}.jsonl"
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 11 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(
+        model,
+        pipeline_parallel_size=pp,
+        trace_path=str(trace),
+        dtype="float32",
+        kv_cache_memory_bytes=8 * 2**20,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+    ) as llm:
+        executor = llm.llm_engine.engine_core.executor
+        launch = "execute_model" if pp == 1 else "execute_model_async"
+        num_batches = 0
+        real = getattr(executor, launch)
+
+        def counted(*args, **kwargs):
+            nonlocal num_batches
+            num_batches += 1
+            return real(*args, **kwargs)
+
+        setattr(executor, launch, counted)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert lines[0]["trace"] == "pagedinfer"
+    return lines[1:], num_batches, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_trace_under_pipeline_parallelism_has_a_record_per_batch(tmp_path) -> None:
+    from tests.model.tiny import make_tiny_llama_dir
+
+    model = make_tiny_llama_dir(str(tmp_path / "tiny"))
+    steps1, batches1, tokens1 = _traced_run(model, tmp_path, 1)
+    steps2, batches2, tokens2 = _traced_run(model, tmp_path, 2)
+    assert tokens2 == tokens1
+    assert len(steps1) == batches1 and len(steps2) == batches2 > 0
+    assert [s["step"] for s in steps2] == list(range(batches2))
+    assert {frozenset(s) for s in steps2} == {frozenset(s) for s in steps1}
+    assert all(e.keys() == steps1[0]["scheduled"][0].keys() for s in steps2 for e in s["scheduled"])
+
+    def tokens_per_request(steps: list[dict]) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for s in steps:
+            for e in s["scheduled"]:
+                total[e["req"]] = total.get(e["req"], 0) + e["tokens"]
+        return total
+
+    # The same work in both runs, each request's chunks and decodes recorded once.
+    assert tokens_per_request(steps2) == tokens_per_request(steps1)
+    assert sorted(r for s in steps2 for r in s["finished"]) == [str(i) for i in range(6)]

@@ -15,6 +15,7 @@ import torch
 from pagedinfer.core.messages import KVTransferStats, LogprobsLists
 from pagedinfer.core.sched_output import (
     CachedRequestData,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -27,7 +28,6 @@ from pagedinfer.distributed.kv_transfer.metadata import (
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.distributed.shm_mq import MessageQueue
 from pagedinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedinfer.structured_output.manager import GrammarOutput
 
 TORCH_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
                 torch.int8, torch.uint8, torch.bool, torch.float64, torch.int16]  # fmt: skip

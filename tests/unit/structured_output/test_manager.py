@@ -10,9 +10,9 @@ import torch
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.request import RequestStatus
-from pagedinfer.core.sched_output import CachedRequestData, SchedulerOutput
+from pagedinfer.core.sched_output import CachedRequestData, GrammarOutput, SchedulerOutput
 from pagedinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedinfer.structured_output.manager import GrammarOutput, StructuredOutputManager
+from pagedinfer.structured_output.manager import StructuredOutputManager
 from pagedinfer.worker.model_runner import ModelRunner
 from tests.unit.core.utils import create_requests
 
