@@ -24,7 +24,7 @@ k times a step.
 
 Files are safetensors (tensors only; no pickle) with a JSON `config` in the metadata:
 {"method", "hidden_size", ..., "target"} so a head is never loaded against the wrong model.
-Training: `spec_decode/train.py` (`pagedinfer train-draft`).
+Training: `pagedinfer/training/` (`pagedinfer train-draft`).
 """
 
 from __future__ import annotations

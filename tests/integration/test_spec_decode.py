@@ -122,7 +122,7 @@ def test_trained_heads_keep_their_acceptance_length(method) -> None:
     sample: never trained on), first turns, 96 tokens, temperature 0, k=3: the mean
     acceptance length (1 + accepted / drafts) stays at its measured level."""
     from pagedinfer import SamplingParams
-    from pagedinfer.spec_decode.train import HOLDOUT_START, chat_prompts
+    from pagedinfer.training.distill import HOLDOUT_START, chat_prompts
 
     llm = _llm({"method": method, "num_speculative_tokens": 3}, dtype="bfloat16")
     with open(_sharegpt_path(), encoding="utf-8") as f:
