@@ -101,7 +101,7 @@ async def scaling(args: argparse.Namespace) -> None:
 
     names = args.configs.split(",")
     engines = {n: AsyncLLM.from_options(**CONFIGS[n], **engine_options(args)) for n in names}
-    prompts = sharegpt_prompts(engines[names[0]].tokenizer, args.num_prompts)
+    prompts = sharegpt_prompts(engines[names[0]].tokenizer, args.num_prompts, args.dataset_path)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rates: dict[str, list[float]] = {n: [] for n in names}
     for n in names:  # warm-up (also fills each engine's prefix cache alike)
@@ -125,14 +125,19 @@ async def scaling(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    from bench_spec_decode import add_dataset_path_arg, checked_dataset_path
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["overhead", "scaling", "both"], default="both")
     parser.add_argument("--configs", default="tp1,tp3,pp2,dp2")
+    add_dataset_path_arg(parser)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
+    if args.part in ("scaling", "both"):
+        args.dataset_path = checked_dataset_path(parser, args.dataset_path)
     if args.part in ("overhead", "both"):
         overhead(args)
     if args.part in ("scaling", "both"):

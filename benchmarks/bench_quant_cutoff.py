@@ -25,15 +25,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
+    from bench_spec_decode import add_dataset_path_arg, checked_dataset_path, sharegpt_prompts
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--settings", default="8,32", help="quant_max_tokens values")
     parser.add_argument("--batch-sizes", default="4,16,32,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    add_dataset_path_arg(parser)
     args = parser.parse_args()
-
-    from bench_spec_decode import sharegpt_prompts
+    args.dataset_path = checked_dataset_path(parser, args.dataset_path)
 
     from pagedinfer import LLM, SamplingParams
 
@@ -43,7 +45,7 @@ def main() -> None:
                log_stats_interval_s=0, quant_max_tokens=q)
         for q in settings
     }  # fmt: skip
-    base = sharegpt_prompts(llms[settings[0]].get_tokenizer(), 32)
+    base = sharegpt_prompts(llms[settings[0]].get_tokenizer(), 32, args.dataset_path)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"Command: `.venv/bin/python {' '.join(sys.argv)}` ({args.dtype}, "
           f"{os.cpu_count()} cores); median output tok/s (ratio to q={settings[0]})\n")  # fmt: skip

@@ -1,7 +1,7 @@
 """The server against the offline engine on the same prompts, and its latency under load.
 
     .venv/bin/python benchmarks/bench_serving.py [--num-prompts 200] [--dtype bfloat16] \
-        [--repeats 2] [--clients 1,4,16] [--out serving.json]
+        [--repeats 2] [--clients 1,4,16] [--dataset-path sharegpt.json] [--out serving.json]
 
 Per round (the order of the two flips each round; every engine in its own process, one at a
 time):
@@ -93,6 +93,8 @@ def _offline(dataset: list[str], engine_flags: list[str]) -> dict:
 
 
 def main() -> None:
+    from bench_spec_decode import add_dataset_path_arg, checked_dataset_path
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--dtype", default="bfloat16")
@@ -100,10 +102,13 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--out", default=None, help="Write every figure as JSON here.")
+    add_dataset_path_arg(parser)
     args = parser.parse_args()
+    sharegpt = ["--dataset-name", "sharegpt", "--dataset-path",
+                checked_dataset_path(parser, args.dataset_path)]  # fmt: skip
 
     engine_flags = ["--dtype", args.dtype, "--log-stats-interval-s", "0"]
-    dataset = ["--dataset-name", "sharegpt", "--num-prompts", str(args.num_prompts)]
+    dataset = [*sharegpt, "--num-prompts", str(args.num_prompts)]
     rounds = []
     for r in range(args.repeats):
         order = ["offline", "server"] if r % 2 == 0 else ["server", "offline"]
@@ -137,13 +142,13 @@ def main() -> None:
     if not args.skip_latency:
         server = Server(engine_flags)
         try:
-            _bench_serve(server.base, ["--dataset-name", "sharegpt", "--num-prompts", "4"], [])
+            _bench_serve(server.base, [*sharegpt, "--num-prompts", "4"], [])
             for clients in (int(c) for c in args.clients.split(",")):
                 n = max(8, 4 * clients)
                 _log(f"latency: {clients} clients, {n} prompts")
                 res = _bench_serve(
                     server.base,
-                    ["--dataset-name", "sharegpt", "--num-prompts", str(n), "--seed", "1"],
+                    [*sharegpt, "--num-prompts", str(n), "--seed", "1"],
                     ["--max-concurrency", str(clients)],
                 )
                 row = {"clients": clients, "num_prompts": n, "failed": res["failed"]}

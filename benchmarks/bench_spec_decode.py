@@ -112,10 +112,12 @@ def copy_prompts(tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def sharegpt_prompts(tokenizer: Any, n: int) -> list[list[int]]:
-    from pagedinfer.bench.datasets import default_sharegpt_path
+def sharegpt_prompts(tokenizer: Any, n: int, dataset_path: str | None = None) -> list[list[int]]:
+    """Turn 0 of the held-out rows of `dataset_path` (None: the default ShareGPT file; a
+    ValueError naming --dataset-path where it does not exist), 8-512 template tokens."""
+    from pagedinfer.bench.datasets import resolve_dataset_path
 
-    with open(default_sharegpt_path(), encoding="utf-8") as f:
+    with open(resolve_dataset_path(dataset_path, "--dataset-path"), encoding="utf-8") as f:
         rows = json.load(f)
     out = []
     for row in rows[HOLDOUT_START:]:
@@ -129,6 +131,27 @@ def sharegpt_prompts(tokenizer: Any, n: int) -> list[list[int]]:
         if len(out) == n:
             break
     return out
+
+
+def add_dataset_path_arg(parser: argparse.ArgumentParser) -> None:
+    """--dataset-path, as `pagedinfer bench` names it (the benchmarks importing
+    `sharegpt_prompts` share it)."""
+    parser.add_argument(
+        "--dataset-path", default=None,
+        help="ShareGPT JSON of the sharegpt prompts (default, where it exists: "
+        "sharegpt_v3_sample.json in $PAGEDINFER_DATA_DIR, else in ../shared/data)",
+    )  # fmt: skip
+
+
+def checked_dataset_path(parser: argparse.ArgumentParser, path: str | None) -> str:
+    """`path` or the default ShareGPT file; a usage error naming --dataset-path (before
+    any engine loads) when neither exists."""
+    from pagedinfer.bench.datasets import resolve_dataset_path
+
+    try:
+        return resolve_dataset_path(path, "--dataset-path")
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def spec_config(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -232,6 +255,7 @@ def main() -> None:
     parser.add_argument(
         "--prompt-lookup", default="2,5", help="ngram: prompt_lookup_min,prompt_lookup_max"
     )
+    add_dataset_path_arg(parser)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
@@ -239,6 +263,8 @@ def main() -> None:
     parser.add_argument("--heads-dir", default=DEFAULT_HEADS_DIR)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if "sharegpt" in args.tasks.split(","):
+        args.dataset_path = checked_dataset_path(parser, args.dataset_path)
 
     from pagedinfer.tokenizer import Tokenizer
 
@@ -253,7 +279,7 @@ def main() -> None:
         if task == "copy":
             prompts = copy_prompts(tokenizer)[: args.num_prompts]
         else:
-            prompts = sharegpt_prompts(tokenizer, args.num_prompts)
+            prompts = sharegpt_prompts(tokenizer, args.num_prompts, args.dataset_path)
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             for r in range(args.repeats):
                 for m in methods:

@@ -7,13 +7,15 @@ whose prompt or output is under 4 tokens, whose prompt is over 1,024 tokens or w
 prompt + output is over 2,048 tokens; keep the first N (default 200) rows that remain.
 
 Also writes a 512-token prefill prompt (the first 512 tokens of real ShareGPT text) and a
-short batch-1 decode prompt (the first line of example_prompts.txt).
+short batch-1 decode prompt (the first line of example_prompts.txt beside the dataset, else
+the dataset's first prompt).
 
 Runs under any of the benchmark venvs: stdlib plus either `tokenizers` (--tokenizer
 <hf_dir>/tokenizer.json) or pagedinfer (--tokenizer model.gguf, the default when pagedinfer is
 importable). Both spell the same byte-level BPE, so the ids are the same either way.
 
-    python benchmarks/workload.py --out /opt/peers/work/workload.json [--num-requests 200]
+    python benchmarks/workload.py --out /opt/peers/work/workload.json [--num-requests 200] \
+        [--dataset-path sharegpt.json]
 
 Output: {"requests": [{"prompt_token_ids": [...], "output_len": int}, ...],
          "prefill_prompt_token_ids": [...512 ids], "decode_prompt_token_ids": [...], "meta": {...}}
@@ -29,7 +31,11 @@ import statistics
 import sys
 from collections.abc import Callable
 
-DATA_DIR = os.environ.get("PAGEDINFER_DATA_DIR", "/work/shared/data")
+# The convenience default of --dataset-path (pagedinfer.bench.datasets' rule, restated: this
+# script may run where pagedinfer is not importable).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_DIR = os.environ.get("PAGEDINFER_DATA_DIR") or os.path.join(ROOT, "..", "shared", "data")
+DEFAULT_DATASET = os.path.normpath(os.path.join(DATA_DIR, "sharegpt_v3_sample.json"))
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 PREFILL_LEN = 512
 
@@ -87,8 +93,12 @@ def build(encode: Callable[[str], list[int]], num_requests: int, seed: int, data
             prefill += encode(turn["value"] + "\n")
         if len(prefill) >= PREFILL_LEN:
             break
-    with open(os.path.join(os.path.dirname(dataset), "example_prompts.txt"), encoding="utf-8") as f:
-        decode_prompt = encode(f.readline().strip())
+    examples = os.path.join(os.path.dirname(dataset), "example_prompts.txt")
+    if os.path.isfile(examples):
+        with open(examples, encoding="utf-8") as f:
+            decode_prompt = encode(f.readline().strip())
+    else:
+        decode_prompt = encode(original[0]["conversations"][0]["value"])
 
     p_lens = [len(r["prompt_token_ids"]) for r in requests]
     o_lens = [r["output_len"] for r in requests]
@@ -124,7 +134,11 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dataset", default=os.path.join(DATA_DIR, "sharegpt_v3_sample.json"))
+    parser.add_argument(
+        "--dataset-path",
+        default=None,
+        help=f"ShareGPT JSON (default, where it exists: {DEFAULT_DATASET})",
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -132,7 +146,10 @@ def main() -> None:
         "default: pagedinfer's default GGUF model",
     )
     args = parser.parse_args()
-    workload = build(load_encoder(args.tokenizer), args.num_requests, args.seed, args.dataset)
+    dataset = args.dataset_path or DEFAULT_DATASET
+    if not args.dataset_path and not os.path.isfile(dataset):
+        parser.error(f"no dataset given: pass --dataset-path (the default, {dataset}, is absent)")
+    workload = build(load_encoder(args.tokenizer), args.num_requests, args.seed, dataset)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(workload, f)

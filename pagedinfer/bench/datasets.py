@@ -31,6 +31,7 @@ __all__ = [
     "MAX_PROMPT_LEN",
     "MAX_TOTAL_LEN",
     "MIN_SEQ_LEN",
+    "SHAREGPT_FILE",
     "SampleRequest",
     "add_dataset_args",
     "allowed_token_ids",
@@ -39,6 +40,7 @@ __all__ = [
     "default_sharegpt_path",
     "is_valid_pair",
     "load_tokenizer",
+    "resolve_dataset_path",
     "sample_from_args",
     "sample_prefix_repetition",
     "sample_random",
@@ -47,6 +49,8 @@ __all__ = [
 
 DATASET_NAMES = ("sharegpt", "random", "prefix-repetition")
 MIN_SEQ_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
+SHAREGPT_FILE = "sharegpt_v3_sample.json"
+"""The default dataset's name in `default_data_dir()`."""
 
 
 class TokenizerLike(Protocol):
@@ -79,7 +83,22 @@ def default_data_dir() -> str:
 
 
 def default_sharegpt_path() -> str:
-    return os.path.join(default_data_dir(), "sharegpt_v3_sample.json")
+    """Where the convenience default ShareGPT file is looked for (it may not exist)."""
+    return os.path.join(default_data_dir(), SHAREGPT_FILE)
+
+
+def resolve_dataset_path(path: str | None, option: str) -> str:
+    """`path`, else the default ShareGPT file when it exists; else a ValueError naming
+    `option` (the caller's parameter or flag), as nothing else says which file to read."""
+    if path:
+        return path
+    default = default_sharegpt_path()
+    if os.path.isfile(default):
+        return default
+    raise ValueError(
+        f"no dataset given: pass {option} (a ShareGPT JSON file); the default, {default}, "
+        "does not exist"
+    )
 
 
 def load_tokenizer(model: str | None = None):
@@ -116,12 +135,13 @@ def sample_sharegpt(
 ) -> list[SampleRequest]:
     """`num_requests` ShareGPT rows: rows with >= 2 turns, shuffled with random.Random(seed),
     filtered by `is_valid_pair`, the first ones kept. `output_len` overrides turn 1's length.
-    With fewer valid rows than asked, valid rows are repeated (drawn with the same seed)."""
+    With fewer valid rows than asked, valid rows are repeated (drawn with the same seed).
+    `path`: the ShareGPT JSON (default: `default_sharegpt_path()` if it exists)."""
     if num_requests <= 0:
         raise ValueError(f"num_requests must be > 0, got {num_requests}")
     if output_len is not None and output_len <= 0:
         raise ValueError(f"--sharegpt-output-len must be > 0, got {output_len}")
-    path = path or default_sharegpt_path()
+    path = resolve_dataset_path(path, "`path`")
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     if not isinstance(data, list):
@@ -263,8 +283,8 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, with_seed: bool = True)
     group.add_argument(
         "--dataset-path",
         default=None,
-        help="sharegpt: the JSON file (default: sharegpt_v3_sample.json in $PAGEDINFER_DATA_DIR, "
-        "else in shared/data next to the repository).",
+        help="sharegpt: the JSON file (default, where it exists: sharegpt_v3_sample.json in "
+        "$PAGEDINFER_DATA_DIR, else in shared/data next to the repository).",
     )
     group.add_argument(
         "--sharegpt-output-len",
@@ -328,9 +348,8 @@ def sample_from_args(
     """Sample the dataset the options name; `vocab_size` (the model's) bounds random ids."""
     seed = int(getattr(ns, "seed", 0) or 0)
     if ns.dataset_name == "sharegpt":
-        return sample_sharegpt(
-            tokenizer, ns.num_prompts, ns.dataset_path, seed, ns.sharegpt_output_len
-        )
+        path = resolve_dataset_path(ns.dataset_path, "--dataset-path")
+        return sample_sharegpt(tokenizer, ns.num_prompts, path, seed, ns.sharegpt_output_len)
     if ns.dataset_name == "random":
         return sample_random(
             tokenizer,
@@ -371,6 +390,6 @@ def dataset_config(ns: argparse.Namespace) -> dict[str, Any]:
             "prefix_repetition_output_len",
         ]
     out = {k: getattr(ns, k, None) for k in keys}
-    if ns.dataset_name == "sharegpt" and not out["dataset_path"]:
-        out["dataset_path"] = default_sharegpt_path()
+    if ns.dataset_name == "sharegpt":
+        out["dataset_path"] = resolve_dataset_path(out["dataset_path"], "--dataset-path")
     return out

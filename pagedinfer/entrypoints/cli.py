@@ -171,6 +171,12 @@ def _add_train_draft_parser(sub: Any) -> None:
     p.add_argument(
         "--num-prompts", type=int, default=800, help="Training prompts: ShareGPT rows [0, N)."
     )
+    p.add_argument(
+        "--dataset-path",
+        default=None,
+        help="The ShareGPT JSON to train on (default, where it exists: sharegpt_v3_sample.json "
+        "in $PAGEDINFER_DATA_DIR, else in shared/data next to the repository).",
+    )
     p.add_argument("--max-tokens", type=int, default=192, help="Greedy tokens per prompt.")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--num-medusa-heads", type=int, default=5)
@@ -207,11 +213,18 @@ def _add_train_draft_parser(sub: Any) -> None:
 
 
 def _cmd_train_draft(ns: argparse.Namespace) -> int:
-    from pagedinfer.spec_decode.train import train_draft
+    from pagedinfer.bench.datasets import resolve_dataset_path
+    from pagedinfer.training.draft_heads import train_draft
 
+    try:
+        dataset_path = resolve_dataset_path(ns.dataset_path, "--dataset-path")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     train_draft(
         ns.method,
         out=ns.out,
+        dataset_path=dataset_path,
         model=ns.model,
         dtype=ns.dtype,
         num_prompts=ns.num_prompts,

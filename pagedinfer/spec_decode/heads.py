@@ -24,7 +24,7 @@ k times a step.
 
 Files are safetensors (tensors only; no pickle) with a JSON `config` in the metadata:
 {"method", "hidden_size", ..., "target"} so a head is never loaded against the wrong model.
-Training: `spec_decode/train.py` (`pagedinfer train-draft`). The heads shipped for the default
+Training: `pagedinfer/training/` (`pagedinfer train-draft`). The heads shipped for the default
 model lie in `spec_decode/trained/`; `config.shipped_heads_path` picks one when
 `SpeculativeConfig.model` is not given.
 """

@@ -4,7 +4,6 @@ cluster on loopback for the Ray tests."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -14,6 +13,8 @@ import tempfile
 import time
 
 import pytest
+
+from tests.data import parity_texts
 
 MAX_NEW_TOKENS = 64
 
@@ -26,24 +27,13 @@ def tokenizer(default_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def prompts(tokenizer, shared_dir) -> list[list[int]]:
-    """The 8 example prompts plus the first 4 ShareGPT prompts of 300-700 tokens."""
-    with open(os.path.join(shared_dir, "data", "example_prompts.txt"), encoding="utf-8") as f:
-        short = [line.rstrip("\n") for line in f if line.strip()]
-    with open(os.path.join(shared_dir, "data", "sharegpt_v3_sample.json"), encoding="utf-8") as f:
-        rows = json.load(f)
-    long: list[list[int]] = []
-    for row in rows:
-        turns = row.get("conversations", [])
-        if not turns:
-            continue
-        ids = tokenizer.encode(turns[0]["value"])
-        if 300 < len(ids) <= 700:
-            long.append(ids)
-        if len(long) == 4:
-            break
-    assert len(short) == 8 and len(long) == 4
-    return [tokenizer.encode(p) for p in short] + long
+def prompts(tokenizer) -> list[list[int]]:
+    """The parity prompts of tests/data: 8 short ones, then 4 long ones of 300-700 tokens."""
+    short, long = parity_texts()
+    long_ids = [tokenizer.encode(text) for text in long]
+    assert len(short) == 8 and len(long_ids) == 4
+    assert all(300 < len(ids) <= 700 for ids in long_ids), [len(ids) for ids in long_ids]
+    return [tokenizer.encode(text) for text in short] + long_ids
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.data import SHAREGPT_SAMPLE
 from tests.integration.server_proc import ServerProcess, small_engine_flags
 
 pytestmark = pytest.mark.integration
@@ -19,10 +20,11 @@ ENGINE = small_engine_flags(max_model_len=512)
 TIMEOUT = 300
 
 
-def _pagedinfer(*args: str, cwd) -> subprocess.CompletedProcess:
+def _pagedinfer(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pagedinfer", *args],
         cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -73,10 +75,11 @@ def test_bench_serve_random(server, tmp_path) -> None:
     assert all(0 <= t < result["duration"] for t in result["start_times"])
 
 
-def test_bench_serve_sharegpt_chat(server, tmp_path, shared_dir) -> None:
+def test_bench_serve_sharegpt_chat(server, tmp_path) -> None:
     proc = _pagedinfer(
         "bench", "serve", "--base-url", server, "--endpoint", "/v1/chat/completions",
-        "--num-prompts", "4", "--sharegpt-output-len", "8", "--ignore-eos",
+        "--dataset-path", SHAREGPT_SAMPLE, "--num-prompts", "4", "--sharegpt-output-len", "8",
+        "--ignore-eos",
         "--request-rate", "20", "--save-result", "--result-filename", "share.json",
         "--disable-tqdm",
         cwd=tmp_path,
@@ -86,8 +89,17 @@ def test_bench_serve_sharegpt_chat(server, tmp_path, shared_dir) -> None:
     assert result["completed"] == 4 and result["failed"] == 0
     assert result["total_output_tokens"] == 32
     assert result["total_input_tokens"] == sum(result["input_lens"]) > 4 * 4
-    assert result["dataset_path"].endswith("sharegpt_v3_sample.json")
+    assert result["dataset_path"] == SHAREGPT_SAMPLE
     assert result["mean_ttft_ms"] > 0 and result["request_goodput"] is None
+
+
+def test_bench_serve_without_a_dataset_names_the_flag(server, tmp_path) -> None:
+    """No --dataset-path and no default file: exit status 2 and a message naming the flag."""
+    env = {**os.environ, "PAGEDINFER_DATA_DIR": str(tmp_path / "no-data")}
+    proc = _pagedinfer("bench", "serve", "--base-url", server, "--num-prompts", "2",
+                       "--disable-tqdm", cwd=tmp_path, env=env)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "--dataset-path" in proc.stderr and "does not exist" in proc.stderr
 
 
 def test_bench_serve_counts_failed_requests(server, tmp_path) -> None:

@@ -1,6 +1,6 @@
 """Greedy parity with Hugging Face transformers on the real default model (float32).
 
-For the 8 example prompts plus 4 real prompts of more than 300 tokens, our greedy token ids
+For the parity prompts of tests/data (8 short ones, 4 of more than 300 tokens), our greedy ids
 (64 new tokens) must equal transformers' `generate(do_sample=False)` on the same GGUF
 weights, whether each request runs alone or batched with all the others: continuous
 batching, chunked prefill and paged attention must not change results.

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.data import heldout_prompts
 from tests.integration.conftest import MAX_NEW_TOKENS
 
 pytestmark = pytest.mark.integration
@@ -111,35 +112,30 @@ def test_a_draft_as_deep_as_the_target_is_always_accepted(draft, draft_dirs, pro
 
 
 # Measured mean acceptance lengths of the shipped heads on this test's prompts (k=3, bf16,
-# 2026-11-30): EAGLE 1.63, Medusa 1.52. The issue's goal is 1.8 for both, not met yet
-# (docs/benchmarks.md); these floors, a little under the measurements, catch regressions.
-ACCEPTANCE_FLOOR = {"eagle": 1.55, "medusa": 1.45}
+# CPU, 24 prompts, about 1,500 drafts): EAGLE 1.46, Medusa 1.36. Without a head the figure
+# is 1.0. It is lower than on held-out ShareGPT rows (1.63 and 1.52, docs/benchmarks.md):
+# these prompts are one-line requests, 8-50 tokens, whose answers the 135M target phrases
+# with less repetition of its context. The floors sit about 5% under the measurements, room
+# for bf16 kernels that round differently on other CPUs; they catch regressions.
+ACCEPTANCE_FLOOR = {"eagle": 1.38, "medusa": 1.28}
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_trained_heads_keep_their_acceptance_length(method) -> None:
-    """The shipped EAGLE and Medusa heads on held-out ShareGPT prompts (rows >= 800 of the
-    sample: never trained on), first turns, 96 tokens, temperature 0, k=3: the mean
+    """The shipped EAGLE and Medusa heads on 24 held-out chat prompts of tests/data (written
+    for the project, so never trained on), 96 tokens, temperature 0, k=3: the mean
     acceptance length (1 + accepted / drafts) stays at its measured level."""
     from pagedinfer import SamplingParams
-    from pagedinfer.spec_decode.train import HOLDOUT_START, chat_prompts
+    from pagedinfer.training.distill import chat_prompts
 
     llm = _llm({"method": method, "num_speculative_tokens": 3}, dtype="bfloat16")
-    with open(_sharegpt_path(), encoding="utf-8") as f:
-        rows = json.load(f)[HOLDOUT_START:]
-    texts = [r["conversations"][0]["value"] for r in rows if r.get("conversations")][:24]
+    texts = heldout_prompts(24)
     prompts = [{"prompt_token_ids": ids} for ids in chat_prompts(llm.get_tokenizer(), texts)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=96), use_tqdm=False)
     stats = llm.get_stats()
     assert stats["spec_num_drafts"] > 300
     assert stats["spec_mean_acceptance_length"] >= ACCEPTANCE_FLOOR[method], stats
     llm.llm_engine.engine_core.shutdown()
-
-
-def _sharegpt_path() -> str:
-    from pagedinfer.bench.datasets import default_sharegpt_path
-
-    return default_sharegpt_path()
 
 
 def test_seeded_sampling_repeats(prompts) -> None:
@@ -161,7 +157,7 @@ def test_logprobs_come_per_verified_token(prompts) -> None:
 
     plain, spec = _llm(None), _llm({**METHODS["ngram"], "num_speculative_tokens": 3})
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
-    ids = {"prompt_token_ids": prompts[8]}  # a long ShareGPT prompt: n-gram drafts hit
+    ids = {"prompt_token_ids": prompts[8]}  # the long code review: n-gram drafts hit
     a = plain.generate(ids, params, use_tqdm=False)[0].outputs[0]
     b = spec.generate(ids, params, use_tqdm=False)[0].outputs[0]
     assert a.token_ids == b.token_ids and len(b.logprobs) == 32

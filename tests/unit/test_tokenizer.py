@@ -14,6 +14,7 @@ from tokenizers.decoders import DecodeStream
 
 from pagedinfer.gguf_metadata import find_default_model
 from pagedinfer.tokenizer import Tokenizer
+from tests.data import load_prompts
 
 # No model hub in tests; set before anything imports transformers/huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -37,13 +38,6 @@ CONVERSATION = [
 ]
 
 
-def _prompts(shared_dir: str) -> list[str]:
-    path = Path(shared_dir) / "data" / "example_prompts.txt"
-    prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line]
-    assert len(prompts) == 8
-    return prompts
-
-
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer.from_model_path(None)
@@ -61,8 +55,8 @@ def hf_tok() -> Any:
 # ---- parity with transformers -------------------------------------------------------------------
 
 
-def test_encode_matches_transformers(tok: Tokenizer, hf_tok: Any, shared_dir: str) -> None:
-    for text in _prompts(shared_dir) + EXTRA_TEXTS:
+def test_encode_matches_transformers(tok: Tokenizer, hf_tok: Any) -> None:
+    for text in [row["prompt"] for row in load_prompts()] + EXTRA_TEXTS:
         assert tok.encode(text) == hf_tok.encode(text), text
         assert tok.encode(text, add_special_tokens=False) == hf_tok.encode(
             text, add_special_tokens=False

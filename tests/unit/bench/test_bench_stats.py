@@ -480,3 +480,24 @@ def test_namespace_defaults_match_dataset_sampler(sharegpt_file) -> None:
     assert sample_from_args(ns, FakeTokenizer()) == sample_sharegpt(
         FakeTokenizer(), 3, sharegpt_file, seed=3
     )
+
+
+def test_a_missing_dataset_names_the_option(tmp_path, monkeypatch, sharegpt_file) -> None:
+    """No path and no default file: the library names its parameter, the CLI its flag; the
+    default file is used where it exists, and a given path always wins."""
+    from pagedinfer.bench.datasets import dataset_config, resolve_dataset_path, sample_from_args
+
+    monkeypatch.setenv("PAGEDINFER_DATA_DIR", str(tmp_path / "nothing-here"))
+    with pytest.raises(ValueError, match="pass `path`"):
+        sample_sharegpt(FakeTokenizer(), 3)
+    ns = argparse.Namespace(dataset_name="sharegpt", num_prompts=3, seed=0, dataset_path=None,
+                            sharegpt_output_len=None)  # fmt: skip
+    with pytest.raises(ValueError, match="pass --dataset-path"):
+        sample_from_args(ns, FakeTokenizer())
+    assert resolve_dataset_path(sharegpt_file, "--dataset-path") == sharegpt_file
+
+    monkeypatch.setenv("PAGEDINFER_DATA_DIR", str(tmp_path))
+    default = tmp_path / "sharegpt_v3_sample.json"
+    default.write_text(open(sharegpt_file, encoding="utf-8").read(), encoding="utf-8")
+    assert sample_from_args(ns, FakeTokenizer()) == sample_sharegpt(FakeTokenizer(), 3, seed=0)
+    assert dataset_config(ns)["dataset_path"] == str(default)

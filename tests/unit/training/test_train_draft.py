@@ -1,5 +1,6 @@
-"""Draft-head training (`spec_decode/train.py`) on the tiny random model: features, losses,
-the draft vocabulary, the held-out split and the saved file. No real model runs here."""
+"""Draft-head training (`pagedinfer/training/`) on the tiny random model: features, losses,
+the draft vocabulary, the held-out split, the dataset path and the saved file. No real model
+runs here."""
 
 from __future__ import annotations
 
@@ -9,20 +10,21 @@ import pytest
 import torch
 
 from pagedinfer.entrypoints.cli import build_parser
-from pagedinfer.spec_decode import heads, train
+from pagedinfer.spec_decode import heads
 from pagedinfer.spec_decode.heads import load_heads
-from pagedinfer.spec_decode.train import (
+from pagedinfer.training import draft_heads
+from pagedinfer.training.distill import (
     HOLDOUT_START,
     DistillData,
-    TrainSettings,
     build_draft_vocab,
     compute_features,
     generate_sequences,
     load_training_prompts,
     split_sequences,
-    train_heads,
     training_prompt_indices,
 )
+from pagedinfer.training.draft_heads import train_draft, train_heads
+from pagedinfer.training.objectives import TrainSettings, step_attention
 from tests.model.tiny import make_tiny_llama_dir
 
 ENGINE = {
@@ -67,7 +69,7 @@ def pattern_data(llm) -> DistillData:
 
 def _head_config(llm, method: str, draft_vocab_size: int = 64, aux_layers=()):
     arch = llm.llm_engine.engine_core.executor.worker.arch
-    return train._head_config(method, arch, draft_vocab_size, 2, "tiny", aux_layers)
+    return draft_heads._head_config(method, arch, draft_vocab_size, 2, "tiny", aux_layers)
 
 
 def _frozen(llm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,13 +183,13 @@ def test_train_draft_end_to_end_and_cli(tmp_path, tiny_dir: str) -> None:
     cache = str(tmp_path / "data.safetensors")
     common = {"model": tiny_dir, "draft_vocab_size": 48, "epochs": 1, "prompts": prompts,
               "data_cache": cache, "llm_kwargs": ENGINE, "log": lambda _: None}  # fmt: skip
-    record = train.train_draft("medusa", out=out, max_tokens=10, num_medusa_heads=2, **common)
+    record = train_draft("medusa", out=out, max_tokens=10, num_medusa_heads=2, **common)
     # The second method reuses the first's sequences and features; other settings refuse them.
-    eagle = train.train_draft("eagle", out=str(tmp_path / "eagle.st"), max_tokens=10, **common)
+    eagle = train_draft("eagle", out=str(tmp_path / "eagle.st"), max_tokens=10, **common)
     assert "generate_s" not in eagle["times_s"] and "generate_s" in record["times_s"]
     assert eagle["num_positions"] == record["num_positions"]
     with pytest.raises(ValueError, match="holds data for"):
-        train.train_draft("eagle", out=str(tmp_path / "e2.st"), max_tokens=11, **common)
+        train_draft("eagle", out=str(tmp_path / "e2.st"), max_tokens=11, **common)
     head, config, vocab, extra = load_heads(out)
     assert config.target == "tiny-llama" and config.num_medusa_heads == 2
     assert len(vocab) == config.draft_vocab_size == 48 and EOS in vocab.tolist()
@@ -196,18 +198,31 @@ def test_train_draft_end_to_end_and_cli(tmp_path, tiny_dir: str) -> None:
     # A fused EAGLE head: the cache's sequences stay, the features are run again with the
     # aux layer and saved, and a later run reads them.
     assert load_heads(str(tmp_path / "eagle.st"))[1].aux_layers == []  # default: h_t alone
-    fused = train.train_draft("eagle", out=str(tmp_path / "f.st"), max_tokens=10,
-                              aux_layers=[0], **common)  # fmt: skip
+    fused = train_draft("eagle", out=str(tmp_path / "f.st"), max_tokens=10,
+                        aux_layers=[0], **common)  # fmt: skip
     assert "generate_s" not in fused["times_s"] and "features_s" in fused["times_s"]
-    again = train.train_draft("eagle", out=str(tmp_path / "f2.st"), max_tokens=10,
-                              aux_layers=[0], **common)  # fmt: skip
+    again = train_draft("eagle", out=str(tmp_path / "f2.st"), max_tokens=10,
+                        aux_layers=[0], **common)  # fmt: skip
     assert "features_s" not in again["times_s"]
     assert load_heads(str(tmp_path / "f2.st"))[1].aux_layers == [0]
     with pytest.raises(ValueError, match="aux_layers"):
-        train.train_draft("eagle", out=str(tmp_path / "f3.st"), max_tokens=10,
-                          aux_layers=[1], **common)  # fmt: skip
+        train_draft("eagle", out=str(tmp_path / "f3.st"), max_tokens=10,
+                    aux_layers=[1], **common)  # fmt: skip
     ns = build_parser().parse_args(["train-draft", "--method", "eagle", "--out", "x.st"])
     assert (ns.method, ns.out, ns.num_prompts, ns.epochs) == ("eagle", "x.st", 800, None)
+    assert ns.dataset_path is None
+
+
+def test_a_missing_dataset_fails_before_the_engine_loads(tmp_path, monkeypatch, capsys) -> None:
+    """No dataset and no default file: the library names `dataset_path`, the command names
+    --dataset-path (exit status 2); neither loads a model first."""
+    from pagedinfer.entrypoints.cli import main
+
+    monkeypatch.setenv("PAGEDINFER_DATA_DIR", str(tmp_path / "no-data"))
+    with pytest.raises(ValueError, match="pass `dataset_path`"):
+        train_draft("eagle", out=str(tmp_path / "x.st"), model="no-such-model")
+    assert main(["train-draft", "--method", "eagle", "--out", str(tmp_path / "x.st")]) == 2
+    assert "pass --dataset-path" in capsys.readouterr().err
 
 
 def test_unrolled_steps_attend_as_a_causal_pass() -> None:
@@ -224,7 +239,7 @@ def test_unrolled_steps_attend_as_a_causal_pass() -> None:
         bos_token_id=1, eos_token_ids=(2,),
     )  # fmt: skip
     torch.manual_seed(0)
-    head = heads.EagleHead(train._head_config("eagle", arch, 32, 0, "x"))
+    head = heads.EagleHead(draft_heads._head_config("eagle", arch, 32, 0, "x"))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.1)  # o/down start at zero: make attention matter
     segments = [(0, 7, 2), (7, 5, 0)]  # (first row, rows, first unrolled row)
@@ -236,19 +251,19 @@ def test_unrolled_steps_attend_as_a_causal_pass() -> None:
     kv1: list[torch.Tensor] = []
     kv2: list[torch.Tensor] = []
     with torch.no_grad():
-        f1 = head(h, e, pos, train._step_attention(segments, store=kv1))
+        f1 = head(h, e, pos, step_attention(segments, store=kv1))
         nxt1 = torch.minimum(sel + 1, seg_end - 1)
-        attend2 = train._step_attention(segments, kv2, prefix=(kv1[0], kv1[1]))
+        attend2 = step_attention(segments, kv2, prefix=(kv1[0], kv1[1]))
         f2 = head(h[nxt1], e[nxt1], local + 1, attend2)
         nxt2 = torch.minimum(sel + 2, seg_end - 1)
-        attend3 = train._step_attention(segments, prefix=(kv1[0], kv1[1]), chain=[tuple(kv2)])
+        attend3 = step_attention(segments, prefix=(kv1[0], kv1[1]), chain=[tuple(kv2)])
         f3 = head(h[nxt2], e[nxt2], local + 2, attend3)
     ok2, ok3 = sel + 1 < seg_end, sel + 2 < seg_end
     assert int(ok3.sum()) == 6
     torch.testing.assert_close(f2[ok2], f1[sel[ok2] + 1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(f3[ok3], f1[sel[ok3] + 2], rtol=1e-5, atol=1e-5)
     # A wrong chain (step 2's keys left out) changes step 3.
-    attend_wrong = train._step_attention(segments, prefix=(kv1[0], kv1[1]))
+    attend_wrong = step_attention(segments, prefix=(kv1[0], kv1[1]))
     with torch.no_grad():
         wrong = head(h[nxt2], e[nxt2], local + 2, attend_wrong)
     assert not torch.allclose(wrong[ok3], f1[sel[ok3] + 2], atol=1e-3)
