@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 # Imported at run time: the executor decodes these dataclasses by their annotations.
+from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.core.messages import LogprobsLists
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

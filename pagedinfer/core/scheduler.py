@@ -50,8 +50,8 @@ from pagedinfer.core.trace import StepTracer
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from pagedinfer.core.kv_transfer_metadata import KVConnectorOutput
     from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
-    from pagedinfer.distributed.kv_transfer.metadata import KVConnectorOutput
     from pagedinfer.structured_output.manager import StructuredOutputManager
 
 __all__ = ["Scheduler", "check_stop"]

@@ -26,10 +26,10 @@ from pagedinfer.attention.backend import (
     set_forward_context,
 )
 from pagedinfer.config import SpeculativeConfig
+from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.core.messages import LogprobsLists
 from pagedinfer.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.distributed.parallel_state import get_pp_group
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.sample.metadata import LogprobsTensors, SamplingMetadata

@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from pagedinfer.attention.backend import flat_kv_cache
-from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
-from pagedinfer.distributed.kv_transfer.metadata import (
+from pagedinfer.core.kv_transfer_metadata import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVTransferSpec,
 )
+from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
 
 if TYPE_CHECKING:
     from pagedinfer.config import EngineConfig

@@ -73,13 +73,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedinfer.attention.backend import flat_kv_cache
-from pagedinfer.core.request import RequestStatus
-from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
-from pagedinfer.distributed.kv_transfer.metadata import (
+from pagedinfer.core.kv_transfer_metadata import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVTransferSpec,
 )
+from pagedinfer.core.request import RequestStatus
+from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedinfer.distributed.kv_transfer.storage import (
     KVLoadError,
     kv_checksum,

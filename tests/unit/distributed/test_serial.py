@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
+from pagedinfer.core.kv_transfer_metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransferSpec,
+)
 from pagedinfer.core.messages import KVTransferStats, LogprobsLists
 from pagedinfer.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-)
-from pagedinfer.distributed.kv_transfer.metadata import (
-    KVConnectorMetadata,
-    KVConnectorOutput,
-    KVTransferSpec,
 )
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.distributed.shm_mq import MessageQueue

@@ -4,7 +4,9 @@ The scheduler-side connector describes each step's transfers in a `KVConnectorMe
 (attached to `SchedulerOutput.kv_connector_metadata`); the worker-side connector reports
 what finished in a `KVConnectorOutput` (attached to `ModelRunnerOutput`). Both are plain
 dataclasses of Python data, so they cross to worker processes in the executor's typed
-msgpack codec (no pickle).
+msgpack codec (no pickle). They live in `core/` beside `SchedulerOutput` because the codec
+decodes that seam by its annotations at run time, and `core/` imports nothing above it; the
+connectors themselves (`distributed/kv_transfer/`) build and read them.
 
 Deviation from vLLM: there, each connector subclasses `KVConnectorMetadata` with fields of
 its own, and the objects are pickled. Our codec decodes into declared types, so there is
