@@ -17,7 +17,6 @@ connector here needs, plus `params` for connector-specific values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedinfer.core.messages import KVTransferStats
 
@@ -36,7 +35,7 @@ class KVTransferSpec:
     num_tokens: int
     key: str = ""
     """Where the KV is stored (storage connectors: the prompt's hash)."""
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)
     """Connector-specific values (a remote engine's address and block ids, ...)."""
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedinfer.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedinfer.core.block_pool import KVCacheBlock
@@ -155,7 +155,7 @@ class Scheduler:
             r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting
         )
 
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
+    def _free_request(self, request: Request) -> dict[str, object] | None:
         """Free a finished request's blocks, unless its KV connector holds them for a
         remote reader; returns the connector's `kv_transfer_params` for the client."""
         assert request.is_finished()
