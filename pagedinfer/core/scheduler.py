@@ -330,21 +330,21 @@ class Scheduler:
         the running pass preempted nothing: a step that had to free blocks for running
         requests has none to give new ones, and a waiting request never preempts.
 
-        The head of the queue is *skipped* (set aside, and put back at the front in its
-        original order when the pass ends, so it keeps its place for the next step) when it
-        cannot start yet: its previous batch is still in the pipeline (`in_flight`), its
-        asynchronous KV load has not finished, its grammar is still compiling, or the KV
-        connector cannot tell yet how many of its tokens it has. A request admitted to an
-        asynchronous load is set aside the same way (it waits in WAITING_FOR_REMOTE_KVS,
-        holding its blocks). A request whose grammar failed leaves the queue, finished.
+        The head of the queue is *skipped* (set aside, and put back where it was when the
+        pass ends, so it keeps its place for the next step) when it cannot start yet: its
+        previous batch is still in the pipeline (`in_flight`), its asynchronous KV load has
+        not finished, its grammar is still compiling, or the KV connector cannot tell yet
+        how many of its tokens it has. A request admitted to an asynchronous load is set
+        aside the same way (it waits in WAITING_FOR_REMOTE_KVS, holding its blocks). A
+        request whose grammar failed leaves the queue, finished.
 
-        The pass *stops* (nothing behind the head is admitted this step, so a large head is
-        not starved by smaller requests that keep taking the blocks and budget it waits
-        for) when, with chunked prefill off, the head's prompt does not fit the remaining
-        budget, or when the head's KV slots cannot be allocated. One exception to the
-        latter: if other waiting requests hold blocks (their KV was loaded while they
-        waited), the head is skipped instead. Those requests need only their last few
-        blocks; with a pool they fill, nothing would ever run and free blocks again.
+        The pass *stops* (nothing behind the head is admitted this step, as in vLLM, so a
+        large head is not overtaken step after step by smaller requests taking the blocks
+        and budget it waits for) when, with chunked prefill off, the head's prompt does not
+        fit the remaining budget, or when the head's KV slots cannot be allocated. One
+        exception to the latter: if other waiting requests hold blocks (their KV was loaded
+        while they waited), the head is skipped instead. Those requests need only their
+        last few blocks; with a pool they fill, nothing would ever run and free blocks.
         """
         skipped: list[Request] = []
         while (

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 
 from pagedinfer.core.request import RequestStatus
+from pagedinfer.core.scheduler import Scheduler
 
 from .utils import create_requests, create_scheduler, make_output
 
 
-def _waiting_ids(sched) -> list[str]:
+def _waiting_ids(sched: Scheduler) -> list[str]:
     return [r.request_id for r in sched.waiting]
 
 
