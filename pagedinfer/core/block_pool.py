@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedinfer.core.trace import StepTracer
 
 __all__ = ["KVCacheBlock", "FreeKVCacheBlockQueue", "BlockPool"]
 
@@ -118,7 +121,7 @@ class BlockPool:
         # tables stay append-only and ids already handed to a worker never change.
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
         # Optional observer of block events (core/trace.py's StepTracer).
-        self.tracer: Any = None
+        self.tracer: StepTracer | None = None
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -28,7 +28,7 @@ import hashlib
 import os
 import pickle
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedinfer.core.request import Request
@@ -43,14 +43,17 @@ __all__ = [
 ]
 
 BlockHash = bytes
-HashFn = Callable[[Any], bytes]
+# What a block's hash covers: (parent hash, the block's token ids, extra keys such as the
+# cache salt). Extra keys may be any picklable value.
+HashInput = tuple[object, tuple[int, ...], tuple[object, ...] | None]
+HashFn = Callable[[HashInput], bytes]
 
 
-def sha256_hash(obj: Any) -> bytes:
+def sha256_hash(obj: object) -> bytes:
     return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-def _as_int(value: Any) -> int:
+def _as_int(value: object) -> int:
     """A process-independent int for a hash input (ints pass through)."""
     if isinstance(value, int):
         return value
@@ -59,7 +62,7 @@ def _as_int(value: Any) -> int:
     return int.from_bytes(sha256_hash(value)[:8], "little")
 
 
-def builtin_hash(obj: tuple[Any, tuple[int, ...], tuple[Any, ...] | None]) -> bytes:
+def builtin_hash(obj: HashInput) -> bytes:
     parent, token_ids, extra_keys = obj
     ints = (_as_int(parent), *token_ids, *(_as_int(k) for k in extra_keys or ()))
     return hash(ints).to_bytes(8, "little", signed=True)
@@ -87,7 +90,7 @@ def hash_block_tokens(
     hash_fn: HashFn,
     parent_block_hash: BlockHash | None,
     block_token_ids: Sequence[int],
-    extra_keys: tuple[Any, ...] | None = None,
+    extra_keys: tuple[object, ...] | None = None,
 ) -> BlockHash:
     parent = parent_block_hash if parent_block_hash else root_hash(hash_fn)
     return hash_fn((parent, tuple(block_token_ids), extra_keys))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 
 import msgspec
 
@@ -77,7 +76,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Prompt tokens not computed here: local prefix-cache hits plus external ones."""
     num_external_cached_tokens: int = 0
     """Of those, tokens whose KV a KV connector loaded (disaggregated prefill)."""
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, object] | None = None
     """Set when the request finishes, by its KV connector (e.g. where a decode instance
     fetches the prompt's KV from)."""
 

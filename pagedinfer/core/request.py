@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedinfer.core.messages import EngineCoreRequest, FinishReason
 from pagedinfer.sampling_params import SamplingParams
@@ -135,11 +135,15 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     @property
-    def kv_transfer_params(self) -> dict[str, Any] | None:
+    def kv_transfer_params(self) -> dict[str, object] | None:
         """The client's KV transfer parameters (disaggregated prefill), as vLLM carries
         them: `sampling_params.extra_args["kv_transfer_params"]`."""
         extra = self.sampling_params.extra_args
-        return None if extra is None else extra.get("kv_transfer_params")
+        # The engine passes the client's JSON object through; connectors validate it.
+        params: dict[str, object] | None = (
+            None if extra is None else extra.get("kv_transfer_params")
+        )
+        return params
 
     @property
     def num_tokens(self) -> int:

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 # Imported at run time: the executor decodes these dataclasses by their annotations.
+from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.core.messages import LogprobsLists
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

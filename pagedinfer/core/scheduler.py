@@ -2,7 +2,7 @@
 
 There are no prefill or decode phases: every request has `num_computed_tokens` and
 `num_tokens_with_spec`, and each step hands out tokens so the former catches up with the
-latter. A prompt chunk, a decode and (later) speculative tokens are the same case.
+latter. A prompt chunk, a decode and speculative tokens are the same case.
 
 `schedule()`:
 1. RUNNING requests first, in order, while the token budget lasts. When the KV pool has no
@@ -10,6 +10,8 @@ latter. A prompt chunk, a decode and (later) speculative tokens are the same cas
    until the current request fits or is itself the victim.
 2. WAITING requests (FCFS or by priority), only if nothing was preempted in this step,
    while budget and `max_num_seqs` allow. No preemption on behalf of waiting requests.
+   Which ones are skipped (keeping their place) and what stops the pass: the docstring of
+   `_schedule_waiting`.
 3. `num_computed_tokens` is advanced optimistically at schedule time, so a chunked prefill
    continues next step without waiting for this step's output.
 
@@ -22,9 +24,11 @@ Called by `engine.core.EngineCore`; pure Python, no torch.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedinfer.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedinfer.core.block_pool import KVCacheBlock
@@ -50,11 +54,53 @@ from pagedinfer.core.trace import StepTracer
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from pagedinfer.core.kv_transfer_metadata import KVConnectorOutput
     from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
-    from pagedinfer.distributed.kv_transfer.metadata import KVConnectorOutput
     from pagedinfer.structured_output.manager import StructuredOutputManager
 
 __all__ = ["Scheduler", "check_stop"]
+
+
+@dataclass(slots=True)
+class _StepState:
+    """What one `schedule()` call has decided so far: the running pass fills it, the
+    waiting pass adds to it, `_build_output` turns it into the `SchedulerOutput`."""
+
+    token_budget: int
+    max_reqs: int
+    """Requests this step may schedule: `max_num_seqs`, or under pipeline parallelism a
+    share of the live requests (`_max_reqs_this_step`)."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_blocks_of: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
+    scheduled_running: list[Request] = field(default_factory=list)
+    scheduled_new: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    scheduled_spec: dict[str, list[int]] = field(default_factory=dict)
+
+
+class _PrefixMatch(NamedTuple):
+    """The tokens of a waiting request that need no computing (`_match_computed_tokens`)."""
+
+    computed_blocks: list[KVCacheBlock]
+    """Blocks of the local prefix-cache hit."""
+    num_local: int
+    """Tokens of the local prefix-cache hit."""
+    num_external: int
+    """Tokens the KV connector provides after the local hit."""
+    load_async: bool
+    """The connector loads them over later steps; the request waits meanwhile."""
+    num_computed: int
+    """Tokens counted as computed once the request is admitted."""
+
+
+class _Head(enum.Enum):
+    """Whether the head of the waiting queue can start (`_prepare_waiting_head`)."""
+
+    READY = enum.auto()
+    NOT_READY = enum.auto()
+    """It keeps its place and the pass goes on with the next request."""
+    FINISHED = enum.auto()
+    """It left the queue, finished (its grammar failed to compile)."""
 
 
 class Scheduler:
@@ -155,7 +201,7 @@ class Scheduler:
             r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting
         )
 
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
+    def _free_request(self, request: Request) -> dict[str, object] | None:
         """Free a finished request's blocks, unless its KV connector holds them for a
         remote reader; returns the connector's `kv_transfer_params` for the client."""
         assert request.is_finished()
@@ -176,29 +222,38 @@ class Scheduler:
     # ------------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_scheduled_tokens
+        """One step's batch: the running requests first (`_schedule_running`), then, if that
+        preempted nothing, waiting ones (`_schedule_waiting`); then the output for the
+        workers, with `num_computed_tokens` advanced optimistically."""
+        step = _StepState(self.max_num_scheduled_tokens, self._max_reqs_this_step())
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._build_output(step)
+
+    def _max_reqs_this_step(self) -> int:
+        """Pipeline parallelism: split the live requests over pp batches, so that every
+        stage has one to work on (a single batch of everything would leave the other
+        stages idle while it passes through)."""
+        if self.pipeline_parallel_size == 1:
+            return self.max_num_running_reqs
+        live = len(self.running) + len(self.waiting)
+        return max(1, -(-live // self.pipeline_parallel_size))
+
+    def _schedule_running(self, step: _StepState) -> None:
+        """Schedule RUNNING requests in `self.running` order while the token budget and
+        `step.max_reqs` last. Each asks for all its remaining tokens (the rest of its
+        prompt, or its decode token plus drafts), capped by `long_prefill_token_threshold`,
+        the budget and `max_model_len`; one with nothing to compute is passed over. When the
+        KV pool cannot hold a request's slots, running requests are preempted until it fits
+        (`_preempt_until_fits`); a request that is itself the victim ends the pass, since
+        nothing after it could allocate either."""
         threshold = self.config.long_prefill_token_threshold
-        num_scheduled_tokens: dict[str, int] = {}
-        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
-        scheduled_spec: dict[str, list[int]] = {}
-
-        # Pipeline parallelism: split the live requests over pp batches, so that every
-        # stage has one to work on (a single batch of everything would leave the other
-        # stages idle while it passes through).
-        max_reqs = self.max_num_running_reqs
-        if self.pipeline_parallel_size > 1:
-            live = len(self.running) + len(self.waiting)
-            max_reqs = max(1, -(-live // self.pipeline_parallel_size))
-
-        # 1. Running requests.
         req_index = 0
         while (
             req_index < len(self.running)
-            and token_budget > 0
-            and len(num_scheduled_tokens) < max_reqs
+            and step.token_budget > 0
+            and len(step.num_scheduled_tokens) < step.max_reqs
         ):
             request = self.running[req_index]
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
@@ -206,192 +261,268 @@ class Scheduler:
                 num_new_tokens = threshold
             num_new_tokens = min(
                 num_new_tokens,
-                token_budget,
+                step.token_budget,
                 self.max_model_len - 1 - request.num_computed_tokens,
             )
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
 
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
-                )
-                if new_blocks is not None:
-                    break
-                victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                del self.running[victim_index]
-                if victim_index < req_index:
-                    req_index -= 1
-                if victim.request_id in num_scheduled_tokens:
-                    # Already scheduled in this step: give its budget back.
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    new_blocks_of.pop(victim.request_id, None)
-                    scheduled_spec.pop(victim.request_id, None)
-                self._preempt_request(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if new_blocks is None:
-                # The request preempted itself: nothing else can run either.
-                break
+                new_blocks, req_index = self._preempt_until_fits(
+                    step, request, num_new_tokens, req_index
+                )
+                if new_blocks is None:
+                    break  # the request preempted itself
 
-            scheduled_running.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_blocks_of[request.request_id] = new_blocks
-            token_budget -= num_new_tokens
+            step.scheduled_running.append(request)
+            step.num_scheduled_tokens[request.request_id] = num_new_tokens
+            step.new_blocks_of[request.request_id] = new_blocks
+            step.token_budget -= num_new_tokens
             req_index += 1
             if request.spec_token_ids:
                 # The drafts that fit (budget, max_model_len) go to the workers; the rest
                 # are dropped. New drafts come with this step's output.
                 num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
                 if num_spec > 0:
-                    scheduled_spec[request.request_id] = request.spec_token_ids[:num_spec]
+                    step.scheduled_spec[request.request_id] = request.spec_token_ids[:num_spec]
                 request.spec_token_ids = []
 
-        # 2. Waiting requests, only if this step preempted nothing.
-        skipped: list[Request] = []  # grammars still compiling: they keep their place
-        if not preempted:
-            while (
-                len(self.waiting) > 0
-                and token_budget > 0
-                and len(self.running) < self.max_num_running_reqs
-                and len(num_scheduled_tokens) < max_reqs
-            ):
-                request = self.waiting.peek()
-                if request.request_id in self.in_flight:
+    def _preempt_until_fits(
+        self, step: _StepState, request: Request, num_new_tokens: int, req_index: int
+    ) -> tuple[list[KVCacheBlock] | None, int]:
+        """Preempt running requests (`_pick_victim`: the newest under FCFS, the worst
+        priority otherwise) until `request`'s slots can be allocated. A victim already
+        scheduled in this step gives its budget back. Returns the new blocks (None if
+        `request` itself was preempted) and `request`'s index in `self.running`, which
+        moves down when a victim before it leaves."""
+        while True:
+            victim = self._pick_victim()
+            victim_index = self.running.index(victim)
+            del self.running[victim_index]
+            if victim_index < req_index:
+                req_index -= 1
+            if victim.request_id in step.num_scheduled_tokens:
+                step.scheduled_running.remove(victim)
+                step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
+                step.new_blocks_of.pop(victim.request_id, None)
+                step.scheduled_spec.pop(victim.request_id, None)
+            self._preempt_request(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None, req_index
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
+            if new_blocks is not None:
+                return new_blocks, req_index
+
+    def _schedule_waiting(self, step: _StepState) -> None:
+        """Admit waiting requests while the budget, `max_num_seqs` and `step.max_reqs` allow.
+
+        Order: the queue's. FCFS takes arrival order, except that preempted requests are put
+        back at the front (so they resume first, in their original order); the priority
+        policy takes the lowest `priority` value, then the earliest arrival, then the
+        request id (`Request.__lt__`), preempted or not. `schedule` runs this pass only when
+        the running pass preempted nothing: a step that had to free blocks for running
+        requests has none to give new ones, and a waiting request never preempts.
+
+        The head of the queue is *skipped* (set aside, and put back where it was when the
+        pass ends, so it keeps its place for the next step) when it cannot start yet: its
+        previous batch is still in the pipeline (`in_flight`), its asynchronous KV load has
+        not finished, its grammar is still compiling, or the KV connector cannot tell yet
+        how many of its tokens it has. A request admitted to an asynchronous load is set
+        aside the same way (it waits in WAITING_FOR_REMOTE_KVS, holding its blocks). A
+        request whose grammar failed leaves the queue, finished.
+
+        The pass *stops* (nothing behind the head is admitted this step, as in vLLM, so a
+        large head is not overtaken step after step by smaller requests taking the blocks
+        and budget it waits for) when, with chunked prefill off, the head's prompt does not
+        fit the remaining budget, or when the head's KV slots cannot be allocated. One
+        exception to the latter: if other waiting requests hold blocks (their KV was loaded
+        while they waited), the head is skipped instead. Those requests need only their
+        last few blocks; with a pool they fill, nothing would ever run and free blocks.
+        """
+        skipped: list[Request] = []
+        while (
+            len(self.waiting) > 0
+            and step.token_budget > 0
+            and len(self.running) < self.max_num_running_reqs
+            and len(step.num_scheduled_tokens) < step.max_reqs
+        ):
+            request = self.waiting.peek()
+            head = self._prepare_waiting_head(request)
+            if head is _Head.FINISHED:
+                continue
+            if head is _Head.NOT_READY:
+                skipped.append(self.waiting.pop())
+                continue
+            match = self._match_computed_tokens(request)
+            if match is None:  # the connector cannot tell yet
+                skipped.append(self.waiting.pop())
+                continue
+            num_new_tokens = self._num_new_waiting_tokens(request, match, step.token_budget)
+            if num_new_tokens is None:
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=match.num_local,
+                new_computed_blocks=match.computed_blocks,
+                num_lookahead_tokens=0 if match.load_async else self.num_lookahead_tokens,
+                num_external_computed_tokens=match.num_external,
+                # Loaded KV is entered in the prefix cache only once it proved valid.
+                delay_cache_blocks=match.num_external > 0,
+            )
+            if new_blocks is None:
+                if self._others_waiting_hold_blocks(request):
                     skipped.append(self.waiting.pop())
                     continue
-                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    if request.request_id not in self.finished_recving_kv_req_ids:
-                        skipped.append(self.waiting.pop())
-                        continue
-                    self._remote_kvs_arrived(request)
-                if request.status == RequestStatus.WAITING_FOR_FSM:
-                    so = request.structured_output_request
-                    assert so is not None
-                    if not so.is_ready():
-                        skipped.append(self.waiting.pop())
-                        continue
-                    self.waiting.pop()
-                    if so.error is not None:
-                        request.status = RequestStatus.FINISHED_ERROR
-                        request.stop_reason = f"structured outputs: {so.error}"
-                        self._finished_waiting.append(request)
-                        continue
-                    request.status = RequestStatus.WAITING
-                    self.waiting.prepend(request)
-                computed_blocks: list[KVCacheBlock] = []
-                num_computed = request.num_computed_tokens
-                num_local = num_external = 0
-                load_async = False
-                if num_computed == 0:
-                    computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
-                    if self.connector is not None and not request.kv_load_failed:
-                        num_ext, load_async = self.connector.get_num_new_matched_tokens(
-                            request, num_local
-                        )
-                        if num_ext is None:  # the connector cannot tell yet
-                            skipped.append(self.waiting.pop())
-                            continue
-                        # At least the last token is computed here (its logits are needed).
-                        num_external = min(num_ext, request.num_tokens - 1 - num_local)
-                        if load_async and num_external <= 0:
-                            load_async, num_external = False, 0
-                    num_computed = num_local + num_external
-                if load_async:
-                    num_new_tokens = 0  # only the external tokens' slots, for the load
-                else:
-                    num_new_tokens = request.num_tokens - num_computed
-                    if 0 < threshold < num_new_tokens:
-                        num_new_tokens = threshold
-                    if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
-                        break
-                    num_new_tokens = min(num_new_tokens, token_budget)
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_new_computed_tokens=num_local,
-                    new_computed_blocks=computed_blocks,
-                    num_lookahead_tokens=0 if load_async else self.num_lookahead_tokens,
-                    num_external_computed_tokens=num_external,
-                    # Loaded KV is entered in the prefix cache only once it proved valid.
-                    delay_cache_blocks=num_external > 0,
-                )
-                if new_blocks is None:
-                    if self._others_waiting_hold_blocks(request):
-                        # Requests behind this one hold blocks (their KV was loaded while
-                        # they waited) and need few more: let them run and free theirs, or
-                        # with a full pool nothing ever would. This one keeps its place.
-                        skipped.append(self.waiting.pop())
-                        continue
-                    break
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(
-                        request, self.kv_cache_manager.get_block_ids(request.request_id),
-                        num_external,
-                    )  # fmt: skip
-                    if num_external:
-                        request.num_external_computed_tokens = num_external
-                self.waiting.pop()
-                if load_async:
-                    # The worker loads the KV over the next steps; the request waits, its
-                    # prefix counted as computed once the load is reported finished.
-                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    request.num_computed_tokens = num_computed
-                    skipped.append(request)
-                    continue
-                new_blocks_of[request.request_id] = new_blocks  # fresh ones; hits in "cached"
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed
-                scheduled_new.append(request)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
+                break
+            if not self._admit_waiting_head(step, request, match, num_new_tokens, new_blocks):
+                skipped.append(request)
 
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
+    def _prepare_waiting_head(self, request: Request) -> _Head:
+        """Whether the head of the waiting queue can start now. A finished asynchronous
+        load makes it schedulable (`_remote_kvs_arrived`), and so does a compiled grammar;
+        a grammar that failed finishes it with the error (reported by the next
+        `update_from_output`) and takes it out of the queue."""
+        if request.request_id in self.in_flight:
+            return _Head.NOT_READY
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if request.request_id not in self.finished_recving_kv_req_ids:
+                return _Head.NOT_READY
+            self._remote_kvs_arrived(request)
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            so = request.structured_output_request
+            assert so is not None
+            if not so.is_ready():
+                return _Head.NOT_READY
+            if so.error is not None:
+                self.waiting.pop()
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = f"structured outputs: {so.error}"
+                self._finished_waiting.append(request)
+                return _Head.FINISHED
+            request.status = RequestStatus.WAITING
+        return _Head.READY
+
+    def _match_computed_tokens(self, request: Request) -> _PrefixMatch | None:
+        """The prompt tokens of a waiting request that need no computing: on its first
+        schedule (and after a preemption), its local prefix-cache hit plus the tokens its KV
+        connector can provide, always leaving the last prompt token to compute (its logits
+        are needed); after an asynchronous load, the tokens it loaded. None while the
+        connector cannot tell yet."""
+        if request.num_computed_tokens != 0:
+            return _PrefixMatch([], 0, 0, False, request.num_computed_tokens)
+        computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+        num_external, load_async = 0, False
+        if self.connector is not None and not request.kv_load_failed:
+            num_ext, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if num_ext is None:
+                return None
+            num_external = min(num_ext, request.num_tokens - 1 - num_local)
+            if load_async and num_external <= 0:
+                load_async, num_external = False, 0
+        return _PrefixMatch(
+            computed_blocks, num_local, num_external, load_async, num_local + num_external
+        )
+
+    def _num_new_waiting_tokens(
+        self, request: Request, match: _PrefixMatch, token_budget: int
+    ) -> int | None:
+        """The tokens a waiting request computes this step: none while its KV loads (only
+        the loaded tokens' slots are allocated), else the rest of its prompt capped by
+        `long_prefill_token_threshold` and the budget. None when chunked prefill is off and
+        the rest does not fit the budget."""
+        if match.load_async:
+            return 0
+        num_new_tokens = request.num_tokens - match.num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
+            return None
+        return min(num_new_tokens, token_budget)
+
+    def _admit_waiting_head(
+        self,
+        step: _StepState,
+        request: Request,
+        match: _PrefixMatch,
+        num_new_tokens: int,
+        new_blocks: list[KVCacheBlock],
+    ) -> bool:
+        """Take the head of the waiting queue, its slots allocated, out of the queue: it
+        runs in this step (True), or, with an asynchronous load, waits for its KV, its
+        prefix counted as computed once the load is reported finished (False)."""
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_block_ids(request.request_id),
+                match.num_external,
+            )  # fmt: skip
+            if match.num_external:
+                request.num_external_computed_tokens = match.num_external
+        self.waiting.pop()
+        request.num_computed_tokens = match.num_computed
+        if match.load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return False
+        step.new_blocks_of[request.request_id] = new_blocks  # fresh ones; hits in "cached"
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = match.num_computed
+        step.scheduled_new.append(request)
+        step.num_scheduled_tokens[request.request_id] = num_new_tokens
+        step.token_budget -= num_new_tokens
+        return True
+
+    def _build_output(self, step: _StepState) -> SchedulerOutput:
+        """The step's `SchedulerOutput` (batch order: running requests in running order,
+        then new ones); then `num_computed_tokens` advances past the scheduled tokens."""
+        num_scheduled_tokens = step.num_scheduled_tokens
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
         assert len(self.running) <= self.max_num_running_reqs
 
-        # Batch order: running requests (in running order), then new ones.
-        ordered = {r.request_id: num_scheduled_tokens[r.request_id] for r in scheduled_running}
-        for r in scheduled_new:
+        ordered = {r.request_id: num_scheduled_tokens[r.request_id] for r in step.scheduled_running}
+        for r in step.scheduled_new:
             ordered[r.request_id] = num_scheduled_tokens[r.request_id]
 
         cached = CachedRequestData()
-        for r in scheduled_running:
+        for r in step.scheduled_running:
             cached.req_ids.append(r.request_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks_of[r.request_id]])
+            cached.new_block_ids.append([b.block_id for b in step.new_blocks_of[r.request_id]])
             cached.num_computed_tokens.append(r.num_computed_tokens)
             if self.pipeline_parallel_size > 1:
                 end = min(r.num_computed_tokens + ordered[r.request_id], r.num_tokens)
                 cached.new_token_ids.append(r.all_token_ids[r.num_computed_tokens : end])
         new_reqs = [
             NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id))
-            for r in scheduled_new
+            for r in step.scheduled_new
         ]
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=ordered,
             total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=scheduled_spec,
+            scheduled_spec_decode_tokens=step.scheduled_spec,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in step.preempted},
         )
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         # A new set, not .clear(): the output keeps a reference to the old one.
         self.finished_req_ids = set()
         if self.tracer is not None:
-            self._trace_scheduled(self.tracer, ordered, scheduled_new, new_blocks_of)
+            self._trace_scheduled(self.tracer, ordered, step.scheduled_new, step.new_blocks_of)
         for req_id, n in ordered.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n

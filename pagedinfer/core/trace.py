@@ -25,17 +25,53 @@ from __future__ import annotations
 import html
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TypedDict
 
-__all__ = ["StepTracer", "load_trace", "render_html"]
+__all__ = ["ScheduledChunk", "StepRecord", "StepTracer", "TraceHeader", "load_trace", "render_html"]
 
 TRACE_VERSION = 1
 
 
+class TraceHeader(TypedDict):
+    """The first line of a trace file."""
+
+    trace: str
+    version: int
+    block_size: int
+    num_blocks: int
+
+
+class ScheduledChunk(TypedDict):
+    """One request's tokens in one step (see the module docstring for the fields)."""
+
+    req: str
+    start: int
+    tokens: int
+    prompt_len: int
+    known: int
+    cached: int
+    new_blocks: list[int]
+
+
+class StepRecord(TypedDict):
+    """One line per engine step, after the header."""
+
+    step: int
+    time: float
+    kv_usage: float
+    scheduled: list[ScheduledChunk]
+    preempted: list[str]
+    finished: list[str]
+    stored_blocks: list[int]
+    evicted_blocks: list[int]
+    freed_blocks: list[int]
+
+
 @dataclass
 class _Step:
-    scheduled: list[dict[str, Any]] = field(default_factory=list)
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     stored_blocks: list[int] = field(default_factory=list)
     evicted_blocks: list[int] = field(default_factory=list)
@@ -64,7 +100,7 @@ class StepTracer:
             }
         )
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: TraceHeader | StepRecord) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def note_scheduled(
@@ -125,7 +161,7 @@ class StepTracer:
             self._file.close()
 
 
-def load_trace(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def load_trace(path: str) -> tuple[TraceHeader, list[StepRecord]]:
     """(header, steps) of a trace file; ValueError if it is not one."""
     with open(path, encoding="utf-8") as f:
         lines = [json.loads(line) for line in f if line.strip()]
@@ -133,7 +169,10 @@ def load_trace(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         raise ValueError(f"{path} is not a pagedinfer trace")
     if lines[0].get("version") != TRACE_VERSION:
         raise ValueError(f"{path}: unsupported trace version {lines[0].get('version')}")
-    return lines[0], lines[1:]
+    # Trusted to hold the records StepTracer writes once the header matches.
+    header: TraceHeader = lines[0]
+    steps: list[StepRecord] = lines[1:]
+    return header, steps
 
 
 _CSS = """
@@ -153,7 +192,7 @@ tr.summary td { background: #f0f0f0; color: #555; }
 """
 
 
-def render_html(header: dict[str, Any], steps: list[dict[str, Any]], title: str = "") -> str:
+def render_html(header: TraceHeader, steps: list[StepRecord], title: str = "") -> str:
     """A self-contained HTML timeline of a trace (no scripts, no external files)."""
     order: list[str] = []
     cells: dict[tuple[str, int], tuple[str, str, str]] = {}  # (req, step) -> class, text, tip
@@ -223,22 +262,17 @@ def render_html(header: dict[str, Any], steps: list[dict[str, Any]], title: str 
             )
         row.append("</tr>")
         out.append("".join(row))
-    for label, key in (
-        ("tokens", None),
-        ("blocks stored", "stored_blocks"),
-        ("blocks freed", "freed_blocks"),
-        ("blocks evicted", "evicted_blocks"),
-        ("KV usage %", "kv_usage"),
-    ):
+    summaries: tuple[tuple[str, Callable[[StepRecord], str]], ...] = (
+        ("tokens", lambda s: str(sum(e["tokens"] for e in s["scheduled"]))),
+        ("blocks stored", lambda s: str(len(s["stored_blocks"]))),
+        ("blocks freed", lambda s: str(len(s["freed_blocks"]))),
+        ("blocks evicted", lambda s: str(len(s["evicted_blocks"]))),
+        ("KV usage %", lambda s: f"{s['kv_usage'] * 100:.0f}"),
+    )
+    for label, summary in summaries:
         row = [f"<tr class='summary'><th class='req'>{label}</th>"]
         for s in steps:
-            if key is None:
-                value = str(sum(e["tokens"] for e in s["scheduled"]))
-            elif key == "kv_usage":
-                value = f"{s['kv_usage'] * 100:.0f}"
-            else:
-                value = str(len(s[key]))
-            row.append(f"<td>{value}</td>")
+            row.append(f"<td>{summary(s)}</td>")
         row.append("</tr>")
         out.append("".join(row))
     out.append("</tbody></table></body></html>")

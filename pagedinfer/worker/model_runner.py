@@ -24,10 +24,10 @@ import torch
 from pagedinfer.attention.backend import AttentionBackend, ForwardContext, set_forward_context
 from pagedinfer.attention.metadata import make_attention_metadata, padded_block_table
 from pagedinfer.config import SpeculativeConfig
+from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.core.messages import LogprobsLists
 from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.distributed.parallel_state import get_pp_group
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.sample.sampler import (

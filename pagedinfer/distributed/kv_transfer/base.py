@@ -42,7 +42,7 @@ import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
+from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVTransferSpec
+from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVTransferSpec
 from pagedinfer.distributed.kv_transfer.storage import prompt_store_key
 
 if TYPE_CHECKING:

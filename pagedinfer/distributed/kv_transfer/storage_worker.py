@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedinfer.attention.backend import flat_kv_cache
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorOutput
+from pagedinfer.core.kv_transfer_metadata import KVConnectorOutput
 from pagedinfer.distributed.kv_transfer.storage import KVLoadError, token_slots
 
 if TYPE_CHECKING:
-    from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVTransferSpec
+    from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVTransferSpec
     from pagedinfer.distributed.kv_transfer.storage import KVStore
 
 logger = logging.getLogger(__name__)

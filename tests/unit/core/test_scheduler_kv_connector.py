@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from pagedinfer.config import EngineConfig, KVTransferConfig
-from pagedinfer.core.request import Request, RequestStatus
-from pagedinfer.core.sched_output import SchedulerOutput
-from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
-from pagedinfer.distributed.kv_transfer.metadata import (
+from pagedinfer.core.kv_transfer_metadata import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVTransferSpec,
 )
+from pagedinfer.core.request import Request, RequestStatus
+from pagedinfer.core.sched_output import SchedulerOutput
+from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
 
 from .utils import create_requests, create_scheduler, make_hasher, make_output
 

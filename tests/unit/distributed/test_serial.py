@@ -12,6 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from pagedinfer.core.kv_transfer_metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransferSpec,
+)
 from pagedinfer.core.messages import KVTransferStats, LogprobsLists
 from pagedinfer.core.sched_output import (
     CachedRequestData,
@@ -19,11 +24,6 @@ from pagedinfer.core.sched_output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-)
-from pagedinfer.distributed.kv_transfer.metadata import (
-    KVConnectorMetadata,
-    KVConnectorOutput,
-    KVTransferSpec,
 )
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.distributed.shm_mq import MessageQueue

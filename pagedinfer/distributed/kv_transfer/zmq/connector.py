@@ -19,9 +19,9 @@ from pagedinfer.distributed.kv_transfer.zmq.worker import ZmqConnectorWorker
 
 if TYPE_CHECKING:
     from pagedinfer.config import EngineConfig
+    from pagedinfer.core.kv_transfer_metadata import KVConnectorOutput
     from pagedinfer.core.request import Request
     from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
-    from pagedinfer.distributed.kv_transfer.metadata import KVConnectorOutput
 
 __all__ = ["ZmqConnector"]
 

@@ -31,15 +31,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVTransferSpec
 from pagedinfer.core.request import RequestStatus
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVTransferSpec
 from pagedinfer.distributed.kv_transfer.storage import token_digest
 
 if TYPE_CHECKING:
     from pagedinfer.config import KVTransferConfig
+    from pagedinfer.core.kv_transfer_metadata import KVConnectorOutput
     from pagedinfer.core.request import Request
     from pagedinfer.core.sched_output import SchedulerOutput
-    from pagedinfer.distributed.kv_transfer.metadata import KVConnectorOutput
     from pagedinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from pagedinfer.distributed.kv_transfer.zmq.wire import (
 )
 
 if TYPE_CHECKING:
-    from pagedinfer.distributed.kv_transfer.metadata import KVTransferSpec
+    from pagedinfer.core.kv_transfer_metadata import KVTransferSpec
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from pagedinfer.attention.backend import flat_kv_cache
-from pagedinfer.distributed.kv_transfer.metadata import KVConnectorOutput
+from pagedinfer.core.kv_transfer_metadata import KVConnectorOutput
 from pagedinfer.distributed.kv_transfer.storage import token_slots
 from pagedinfer.distributed.kv_transfer.zmq.puller import KVPuller
 from pagedinfer.distributed.kv_transfer.zmq.server import KVServer
@@ -37,7 +37,7 @@ from pagedinfer.distributed.kv_transfer.zmq.wire import tcp_address
 
 if TYPE_CHECKING:
     from pagedinfer.config import KVTransferConfig
-    from pagedinfer.distributed.kv_transfer.metadata import KVConnectorMetadata, KVTransferSpec
+    from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVTransferSpec
 
 logger = logging.getLogger(__name__)
 

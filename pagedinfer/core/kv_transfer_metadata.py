@@ -4,7 +4,9 @@ The scheduler-side connector describes each step's transfers in a `KVConnectorMe
 (attached to `SchedulerOutput.kv_connector_metadata`); the worker-side connector reports
 what finished in a `KVConnectorOutput` (attached to `ModelRunnerOutput`). Both are plain
 dataclasses of Python data, so they cross to worker processes in the executor's typed
-msgpack codec (no pickle).
+msgpack codec (no pickle). They live in `core/` beside `SchedulerOutput` because the codec
+decodes that seam by its annotations at run time, and `core/` imports nothing above it; the
+connectors themselves (`distributed/kv_transfer/`) build and read them.
 
 Deviation from vLLM: there, each connector subclasses `KVConnectorMetadata` with fields of
 its own, and the objects are pickled. Our codec decodes into declared types, so there is
@@ -15,7 +17,6 @@ connector here needs, plus `params` for connector-specific values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedinfer.core.messages import KVTransferStats
 
@@ -34,7 +35,7 @@ class KVTransferSpec:
     num_tokens: int
     key: str = ""
     """Where the KV is stored (storage connectors: the prompt's hash)."""
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)
     """Connector-specific values (a remote engine's address and block ids, ...)."""
 
 
