@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 # Imported at run time: the executor decodes these dataclasses by their annotations.
 from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVConnectorOutput
@@ -138,7 +139,7 @@ class GrammarOutput:
     to worker processes as raw bytes."""
 
     req_ids: list[str]
-    bitmask: np.ndarray  # int32 [sum(num_rows), ceil(vocab_size / 32)]
+    bitmask: npt.NDArray[np.int32]  # [sum(num_rows), ceil(vocab_size / 32)]
     num_rows: list[int] = field(default_factory=list)
     """Rows per request (1 + its scheduled draft tokens), in `req_ids` order; empty means one
     row each."""

@@ -25,6 +25,7 @@ Neither class is thread-safe: each holds per-call state for its hooks.
 from __future__ import annotations
 
 import struct
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -154,7 +155,9 @@ class MsgpackDecoder:
 
 def _check_array_type(type_: Any, obj: Any) -> Any:
     """msgspec's hook for field types it does not know (torch.Tensor, np.ndarray): by then
-    `_ext_hook` has built the object, only its class is left to check."""
-    if isinstance(type_, type) and isinstance(obj, type_):
+    `_ext_hook` has built the object, only its class is left to check. A parameterised
+    annotation (`npt.NDArray[np.int32]`) is checked by its class (`np.ndarray`)."""
+    cls = typing.get_origin(type_) or type_
+    if isinstance(cls, type) and isinstance(obj, cls):
         return obj
     raise TypeError(f"expected {getattr(type_, '__name__', type_)}, got {type(obj).__name__}")

@@ -175,8 +175,8 @@ def _start_replicas(
         for r in results:
             if isinstance(r, SocketClient):
                 r.shutdown()
-        rank, exc = failures[0]
-        raise RuntimeError(f"Data-parallel engine core {rank} failed to start: {exc}") from exc
+        rank, error = failures[0]
+        raise RuntimeError(f"Data-parallel engine core {rank} failed to start: {error}") from error
     replicas: list[EngineCoreClient] = []
     for rank, replica in enumerate(results):
         assert isinstance(replica, SocketClient)
@@ -349,7 +349,7 @@ class DPAsyncMPClient(EngineCoreClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._log_interval_s = log_stats_interval_s
         self._last_log = time.monotonic()
-        self._ray_group: RayReplicaGroup | None = None
+        self._ray_group = None
 
     # ------------------------------------------------------------------------- health
 

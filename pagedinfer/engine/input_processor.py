@@ -156,7 +156,7 @@ class InputProcessor:
             validator = self._validators.get(key)
             if validator is None:
                 validator = create_backend(
-                    name,  # type: ignore[arg-type]
+                    name,
                     self.tokenizer,
                     self.vocab_size,
                     disable_any_whitespace=whitespace,

@@ -50,7 +50,10 @@ __all__ = [
 
 
 class OutputQueue(Protocol):
-    def put(self, item: RequestOutput, /) -> object: ...
+    """Where a request's outputs go: the caller's list offline, an asyncio collector in
+    AsyncLLM, which also takes the exception that ends a request."""
+
+    def put(self, item: RequestOutput | BaseException, /) -> object: ...
 
 
 @dataclass
