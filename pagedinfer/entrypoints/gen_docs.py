@@ -34,16 +34,7 @@ import msgspec
 from pydantic._internal._docs_extraction import extract_docstrings_from_cls
 from pydantic_core import PydanticUndefined
 
-from pagedinfer.config import (
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    StructuredOutputsConfig,
-)
+from pagedinfer.config import EngineConfig
 from pagedinfer.entrypoints.cli import build_parser
 from pagedinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -56,21 +47,6 @@ DOC_PATH = os.path.join(
     "configuration.md",
 )
 
-# Engine option sections: every field is an `LLM(...)` keyword and a flag of `generate`,
-# `chat`, `serve` and the offline `bench` commands.
-_FLAG_SECTIONS: tuple[type, ...] = (
-    ModelConfig,
-    CacheConfig,
-    SchedulerConfig,
-    ObservabilityConfig,
-    StructuredOutputsConfig,
-    ParallelConfig,
-)
-# Configs passed whole, as a dict keyword and one JSON flag.
-_JSON_SECTIONS: tuple[tuple[type, str], ...] = (
-    (SpeculativeConfig, "--speculative-config"),
-    (KVTransferConfig, "--kv-transfer-config"),
-)
 # `generate`'s sampling flags whose dest differs from the SamplingParams field they set
 # (see `_sampling_params` in entrypoints/cli.py).
 _SAMPLING_FLAG_FIELD = {"sampling_seed": "seed"}
@@ -172,18 +148,34 @@ def _struct_rows(cls: type[msgspec.Struct], flags: dict[str, str]) -> list[str]:
     return rows
 
 
+def _sections() -> list[tuple[type, str | None]]:
+    """Each config of `EngineConfig` with its JSON flag, or None where every field has a flag
+    of its own; flag sections first.
+
+    A required section (`model_config`, ...) spreads its fields over `LLM(...)` keywords and
+    flags; an optional one (`speculative_config`, ...) is passed whole, as a dict keyword
+    and one JSON flag named after it.
+    """
+    hints = typing.get_type_hints(EngineConfig)
+    flag_sections: list[tuple[type, str | None]] = []
+    json_sections: list[tuple[type, str | None]] = []
+    for f in dataclasses.fields(EngineConfig):
+        args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+        if args:
+            json_sections.append((args[0], "--" + f.name.replace("_", "-")))
+        else:
+            flag_sections.append((hints[f.name], None))
+    return flag_sections + json_sections
+
+
 def render() -> str:
     """The whole of docs/configuration.md."""
     generate = _subparser(build_parser(), "generate")
     flags = {a.dest: a for a in generate._actions}
     parts = [_HEADER.format(command=REGENERATE_COMMAND)]
-    for cls in _FLAG_SECTIONS:
+    for cls, json_flag in _sections():
         intro = _cell(cls.__doc__ or "") if _has_own_doc(cls) else "Engine options."
-        parts.append(_table(cls.__name__, intro, _config_rows(cls, flags, None)))
-    for cls, json_flag in _JSON_SECTIONS:
-        parts.append(
-            _table(cls.__name__, _cell(cls.__doc__ or ""), _config_rows(cls, flags, json_flag))
-        )
+        parts.append(_table(cls.__name__, intro, _config_rows(cls, flags, json_flag)))
     sampling_group = next(g for g in generate._action_groups if g.title == "sampling options")
     sampling_flags = {
         _SAMPLING_FLAG_FIELD.get(a.dest, a.dest): a.option_strings[0]
