@@ -441,6 +441,51 @@ def _validate(ns: argparse.Namespace) -> tuple[list[str], list[float], dict[str,
     return metrics, percentiles, slos
 
 
+def _save_result(
+    ns: argparse.Namespace,
+    started_at: str,
+    base: str,
+    endpoint: str,
+    model: str,
+    selection: tuple[list[str], list[float], dict[str, float]],
+    metrics: ServingMetrics,
+    records: list[RequestRecord],
+) -> None:
+    """`--save-result`: the run's config, every aggregate and the per-request lists as JSON."""
+    metrics_names, percentiles, slos = selection
+    result: dict[str, Any] = {
+        "date": started_at,
+        "base_url": base,
+        "endpoint": endpoint,
+        "model": model,
+        "tokenizer": ns.tokenizer,
+        **dataset_config(ns),
+        "request_rate": ns.request_rate if math.isfinite(ns.request_rate) else "inf",
+        "burstiness": ns.burstiness,
+        "max_concurrency": ns.max_concurrency,
+        "warmup_requests": ns.warmup_requests,
+        "ignore_eos": ns.ignore_eos,
+        "temperature": ns.temperature,
+        "percentile_metrics": metrics_names,
+        "metric_percentiles": percentiles,
+        "goodput_slos_ms": slos,
+        **metrics.to_dict(),
+        "input_lens": [r.prompt_len for r in records],
+        "output_lens": [r.output_tokens for r in records],
+        "ttfts": [r.ttft for r in records],
+        "tpots": [r.tpot or 0.0 for r in records],
+        "itls": [r.itl for r in records],
+        "e2els": [r.e2el for r in records],
+        "start_times": [r.start_time for r in records],
+        "errors": [r.error for r in records],
+    }
+    path = _result_path(ns, model)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(f"Results saved to {path}", file=sys.stderr)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     try:
         metrics_names, percentiles, slos = _validate(ns)
@@ -507,37 +552,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     )
 
     if ns.save_result:
-        result: dict[str, Any] = {
-            "date": started_at,
-            "base_url": base,
-            "endpoint": endpoint,
-            "model": model,
-            "tokenizer": ns.tokenizer,
-            **dataset_config(ns),
-            "request_rate": ns.request_rate if math.isfinite(ns.request_rate) else "inf",
-            "burstiness": ns.burstiness,
-            "max_concurrency": ns.max_concurrency,
-            "warmup_requests": ns.warmup_requests,
-            "ignore_eos": ns.ignore_eos,
-            "temperature": ns.temperature,
-            "percentile_metrics": metrics_names,
-            "metric_percentiles": percentiles,
-            "goodput_slos_ms": slos,
-            **metrics.to_dict(),
-            "input_lens": [r.prompt_len for r in records],
-            "output_lens": [r.output_tokens for r in records],
-            "ttfts": [r.ttft for r in records],
-            "tpots": [r.tpot or 0.0 for r in records],
-            "itls": [r.itl for r in records],
-            "e2els": [r.e2el for r in records],
-            "start_times": [r.start_time for r in records],
-            "errors": [r.error for r in records],
-        }
-        path = _result_path(ns, model)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        print(f"Results saved to {path}", file=sys.stderr)
+        _save_result(ns, started_at, base, endpoint, model, (metrics_names, percentiles, slos),
+                     metrics, records)  # fmt: skip
 
     if metrics.completed == 0:
         first = next((r.error for r in records if r.error), "unknown error")

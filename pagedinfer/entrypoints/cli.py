@@ -56,12 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="Generate completions for prompts and print them.")
-    gen.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="GGUF file or HF directory (default: SmolLM2-135M-Instruct).",
-    )
+    _add_model_arg(gen)
     gen.add_argument("--prompt", action="append", default=None, help="Prompt text (repeatable).")
     gen.add_argument("--prompts-file", default=None, help="A file with one prompt per line.")
     gen.add_argument(
@@ -74,25 +69,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
 
     chat = sub.add_parser("chat", help="Interactive chat; streams the reply token by token.")
-    chat.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="GGUF file or HF directory (default: SmolLM2-135M-Instruct).",
-    )
+    _add_model_arg(chat)
     chat.add_argument("--system", default=None, help="System prompt.")
     _add_sampling_args(chat, max_tokens=256)
     add_engine_args(chat)
 
-    serve = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (engine core in its own process)."
+    _add_serving_parsers(sub)
+
+    trace = sub.add_parser(
+        "trace", help="Render an engine trace (LLM(trace_path=...)) as an HTML timeline."
     )
-    serve.add_argument(
+    trace.add_argument("trace_file", help="The JSON-lines trace the engine wrote.")
+    trace.add_argument("-o", "--output", default="trace.html", help="HTML file to write.")
+    trace.add_argument("--title", default=None, help="Page title (default: the file name).")
+    from pagedinfer.bench import add_bench_parser
+
+    add_bench_parser(sub)
+    _add_train_draft_parser(sub)
+    return parser
+
+
+def _add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "model",
         nargs="?",
         default=None,
         help="GGUF file or HF directory (default: SmolLM2-135M-Instruct).",
     )
+
+
+def _add_serving_parsers(sub: Any) -> None:
+    """`serve` and `disagg-proxy`."""
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (engine core in its own process)."
+    )
+    _add_model_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     serve.add_argument(
@@ -143,18 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="Bound on connecting to an upstream (and on each /health probe) (default: 5).",
     )
-
-    trace = sub.add_parser(
-        "trace", help="Render an engine trace (LLM(trace_path=...)) as an HTML timeline."
-    )
-    trace.add_argument("trace_file", help="The JSON-lines trace the engine wrote.")
-    trace.add_argument("-o", "--output", default="trace.html", help="HTML file to write.")
-    trace.add_argument("--title", default=None, help="Page title (default: the file name).")
-    from pagedinfer.bench import add_bench_parser
-
-    add_bench_parser(sub)
-    _add_train_draft_parser(sub)
-    return parser
 
 
 def _add_train_draft_parser(sub: Any) -> None:

@@ -171,6 +171,21 @@ def target_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
+def _check_method(method: str, aux_layers: Sequence[int] | None) -> None:
+    if method not in DEFAULT_EPOCHS:
+        raise ValueError(f"method must be 'eagle' or 'medusa', got {method!r}")
+    if aux_layers is not None and aux_layers and method != "eagle":
+        raise ValueError("aux_layers: only EAGLE heads fuse earlier layers' features")
+
+
+def _draft_vocab_coverage(
+    data: DistillData, val_seqs: Sequence[int], draft_vocab: torch.Tensor
+) -> float:
+    """The share of the validation sequences' generated tokens that the draft vocabulary holds."""
+    val_generated = torch.cat([data.token_ids[data.rows(i)[2] : data.rows(i)[1]] for i in val_seqs])
+    return float(torch.isin(val_generated, draft_vocab).float().mean())
+
+
 def train_draft(
     method: str, *, out: str, model: str | None = None, dtype: str = "float32",
     num_prompts: int = HOLDOUT_START, max_tokens: int = 192, draft_vocab_size: int = 8192,
@@ -198,10 +213,7 @@ def train_draft(
     from pagedinfer.entrypoints.llm import LLM
     from pagedinfer.worker.worker import resolve_dtype
 
-    if method not in DEFAULT_EPOCHS:
-        raise ValueError(f"method must be 'eagle' or 'medusa', got {method!r}")
-    if aux_layers is not None and aux_layers and method != "eagle":
-        raise ValueError("aux_layers: only EAGLE heads fuse earlier layers' features")
+    _check_method(method, aux_layers)
     args = {
         "method": method, "model": model, "dtype": dtype, "num_prompts": num_prompts,
         "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
@@ -257,8 +269,7 @@ def train_draft(
     )
     times["train_s"] = time.perf_counter() - t
 
-    val_generated = torch.cat([data.token_ids[data.rows(i)[2] : data.rows(i)[1]] for i in val_seqs])
-    coverage = float(torch.isin(val_generated, draft_vocab).float().mean())
+    coverage = _draft_vocab_coverage(data, val_seqs, draft_vocab)
     extra = {
         "args": args,
         "settings": asdict(ts),
