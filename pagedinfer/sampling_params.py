@@ -20,9 +20,16 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["SamplingParams", "RequestOutputKind", "SamplingType", "StructuredOutputsParams"]
+__all__ = [
+    "GREEDY_EPS",
+    "SamplingParams",
+    "RequestOutputKind",
+    "SamplingType",
+    "StructuredOutputsParams",
+]
 
-_GREEDY_EPS = 1e-5
+# A temperature below this samples greedily (argmax); the worker batches by the same rule.
+GREEDY_EPS = 1e-5
 _MAX_LOGIT_BIAS = 100.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -167,7 +174,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 for tok, bias in self.logit_bias.items()
             }
         self._verify_args()
-        if self.temperature < _GREEDY_EPS:
+        if self.temperature < GREEDY_EPS:
             # Greedy: the other sampling knobs are meaningless, reset them to neutral.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
@@ -225,12 +232,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop_token_ids must be non-negative.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids must not be empty.")
-        if self.temperature < _GREEDY_EPS and self.n > 1:
+        if self.temperature < GREEDY_EPS and self.n > 1:
             raise ValueError("n must be 1 when using greedy sampling (temperature 0).")
 
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < _GREEDY_EPS:
+        if self.temperature < GREEDY_EPS:
             return SamplingType.GREEDY
         if self.seed is not None:
             return SamplingType.RANDOM_SEED

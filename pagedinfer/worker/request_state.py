@@ -20,15 +20,13 @@ import numpy as np
 import torch
 
 from pagedinfer.sample.metadata import SamplingMetadata
+from pagedinfer.sampling_params import GREEDY_EPS
 
 if TYPE_CHECKING:
     from pagedinfer.sample.metadata import LogprobsTensors
     from pagedinfer.sampling_params import SamplingParams
 
 __all__ = ["CachedRequestState", "build_sampling_metadata"]
-
-# A temperature below this samples greedily (argmax).
-_GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -80,8 +78,8 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int) -
     argmax."""
     params = [s.sampling_params for s in states]
     temps = [p.temperature for p in params]
-    all_greedy = all(t < _GREEDY_EPS for t in temps)
-    all_random = all(t >= _GREEDY_EPS for t in temps)
+    all_greedy = all(t < GREEDY_EPS for t in temps)
+    all_random = all(t >= GREEDY_EPS for t in temps)
     top_ps = [p.top_p for p in params]
     top_ks = [p.top_k for p in params]
     min_ps = [p.min_p for p in params]
