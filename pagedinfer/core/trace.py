@@ -1,6 +1,7 @@
 """A step-by-step record of what the scheduler and the KV cache did, and its HTML picture.
 
-`LLM(..., trace_path="run.jsonl")` makes the engine core write one JSON line per step:
+`LLM(..., trace_path="run.jsonl")` makes the engine core write one JSON line per batch
+(per step without pipeline parallelism):
 
     {"step": 3, "time": 0.41, "kv_usage": 0.12,
      "scheduled": [{"req": "0", "start": 32, "tokens": 16, "prompt_len": 300,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import html
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, TypedDict
@@ -79,10 +81,15 @@ class _Step:
 
 
 class StepTracer:
-    """Collects one record per engine step and appends it to a JSON-lines file.
+    """Collects one record per batch and appends it to a JSON-lines file.
 
-    The scheduler and block pool report into the open step (`note_*`); the engine core
-    calls `end_step(finished, kv_usage)` once the step's outputs are known.
+    The scheduler and block pool report into the current record (`note_*`). The engine
+    core calls `batch_launched()` when it launches a batch: the notes since the previous
+    launch (its scheduling) become that batch's. Once the batch is back, it calls
+    `batch_finishing()` before handing the output to the scheduler (the blocks freed then
+    are the batch's too) and `end_step(finished, kv_usage)` to write the record. Batches
+    finish in launch order, so under pipeline parallelism, with several in flight, each
+    record still holds exactly its own batch's notes.
     """
 
     def __init__(self, path: str, block_size: int, num_blocks: int) -> None:
@@ -90,7 +97,12 @@ class StepTracer:
         self._file: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115
         self._start = time.monotonic()
         self._step_index = 0
-        self._step = _Step()
+        self._open = _Step()
+        """Notes of the batch being scheduled (and of schedules that launched nothing)."""
+        self._launched: deque[_Step] = deque()
+        """Notes of the batches in flight, oldest first."""
+        self._step = self._open
+        """Where notes go now."""
         self._write(
             {
                 "trace": "pagedinfer",
@@ -102,6 +114,15 @@ class StepTracer:
 
     def _write(self, record: TraceHeader | StepRecord) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def batch_launched(self) -> None:
+        """The notes since the previous launch belong to the batch just launched."""
+        self._launched.append(self._open)
+        self._open = self._step = _Step()
+
+    def batch_finishing(self) -> None:
+        """Notes go to the oldest batch in flight until its `end_step`."""
+        self._step = self._launched[0]
 
     def note_scheduled(
         self,
@@ -138,7 +159,8 @@ class StepTracer:
         self._step.freed_blocks.append(block_id)
 
     def end_step(self, finished: list[str], kv_usage: float) -> None:
-        step = self._step
+        """Write the oldest launched batch's record (`finished`: the requests it ended)."""
+        step = self._launched.popleft()
         self._write(
             {
                 "step": self._step_index,
@@ -154,7 +176,7 @@ class StepTracer:
         )
         self._file.flush()
         self._step_index += 1
-        self._step = _Step()
+        self._step = self._open
 
     def close(self) -> None:
         if not self._file.closed:

@@ -261,16 +261,19 @@ class EngineCore:
             self.batch_queue.append((future, scheduler_output))
             self.scheduler.in_flight.update(scheduler_output.num_scheduled_tokens)
         self.peak_batches_in_flight = max(self.peak_batches_in_flight, len(self.batch_queue))
+        if self.tracer is not None:
+            self.tracer.batch_launched()
 
     def _finish_oldest(self) -> EngineCoreOutputs:
         """Wait for the oldest queued batch and hand its output to the scheduler; the trace
-        gets one record per batch (the notes since the previous record: under pipeline
-        parallelism those include the batches scheduled since)."""
+        gets the batch's record (its scheduling, and the blocks its output freed)."""
         result, scheduler_output = self.batch_queue.popleft()
         runner_output = result.result() if isinstance(result, Future) else result
         sched = self.scheduler
         if sched.in_flight:
             sched.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+        if self.tracer is not None:
+            self.tracer.batch_finishing()
         outputs = sched.update_from_output(scheduler_output, runner_output)
         self._stats_dirty = True
         if self.tracer is not None:

@@ -59,8 +59,11 @@ def test_trace_of_chunked_prefill_and_a_prefix_hit(tmp_path, prompts) -> None:
     assert f"{len(steps)} steps, 4 requests" in page
 
 
-def _traced_run(model: str, tmp_path, pp: int) -> tuple[list[dict], int, list[list[int]]]:
-    """(step records, batches the engine launched, token ids) of a greedy run."""
+def _traced_run(
+    model: str, tmp_path, pp: int
+) -> tuple[list[dict], list[dict[str, int]], list[list[int]]]:
+    """(step records, the scheduled tokens of each batch the engine launched, token ids)
+    of a greedy run."""
     from pagedinfer import LLM, SamplingParams
 
     trace = tmp_path / f"pp{pp}.jsonl"
@@ -77,19 +80,19 @@ def _traced_run(model: str, tmp_path, pp: int) -> tuple[list[dict], int, list[li
     ) as llm:
         executor = llm.llm_engine.engine_core.executor
         launch = "execute_model" if pp == 1 else "execute_model_async"
-        num_batches = 0
+        batches: list[dict[str, int]] = []
         real = getattr(executor, launch)
 
-        def counted(*args, **kwargs):
-            nonlocal num_batches
-            num_batches += 1
-            return real(*args, **kwargs)
+        def recorded(scheduler_output, *args, **kwargs):
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                batches.append(dict(scheduler_output.num_scheduled_tokens))
+            return real(scheduler_output, *args, **kwargs)
 
-        setattr(executor, launch, counted)
+        setattr(executor, launch, recorded)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert lines[0]["trace"] == "pagedinfer"
-    return lines[1:], num_batches, [list(o.outputs[0].token_ids) for o in outs]
+    return lines[1:], batches, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def test_trace_under_pipeline_parallelism_has_a_record_per_batch(tmp_path) -> None:
@@ -99,8 +102,12 @@ def test_trace_under_pipeline_parallelism_has_a_record_per_batch(tmp_path) -> No
     steps1, batches1, tokens1 = _traced_run(model, tmp_path, 1)
     steps2, batches2, tokens2 = _traced_run(model, tmp_path, 2)
     assert tokens2 == tokens1
-    assert len(steps1) == batches1 and len(steps2) == batches2 > 0
-    assert [s["step"] for s in steps2] == list(range(batches2))
+    assert len(batches2) > 1
+    # One record per batch, in launch order, each holding exactly that batch's chunks
+    # (not the notes of the batches scheduled while it was in the pipeline).
+    for steps, batches in ((steps1, batches1), (steps2, batches2)):
+        assert [s["step"] for s in steps] == list(range(len(batches)))
+        assert [{e["req"]: e["tokens"] for e in s["scheduled"]} for s in steps] == batches
     assert {frozenset(s) for s in steps2} == {frozenset(s) for s in steps1}
     assert all(e.keys() == steps1[0]["scheduled"][0].keys() for s in steps2 for e in s["scheduled"])
 
