@@ -432,7 +432,7 @@ def test_abort_during_load(producer: Producer, consumer: LLM) -> None:
         _step_until(consumer, lambda: relay.pulls, "the pull")
         assert scheduler.requests["abort-me"].status.name == "WAITING_FOR_REMOTE_KVS"
         engine.abort_request("abort-me")
-        assert "abort-me" in scheduler.held_requests
+        assert "abort-me" in scheduler.kv_transfer.held_requests
         assert free_blocks(consumer) < all_free
         _step_until(consumer, lambda: not scheduler.has_pending_kv_transfers(), "the load")
         assert free_blocks(consumer) == all_free
@@ -459,7 +459,7 @@ def test_abort_of_held_request(producer: Producer) -> None:
         "two generated tokens",
     )
     engine.abort_request("abort-hold")
-    assert "abort-hold" in scheduler.held_requests  # the worker might be serving it
+    assert "abort-hold" in scheduler.kv_transfer.held_requests  # the worker might be serving it
     _step_until(producer.llm, lambda: not scheduler.has_pending_kv_transfers(), "the release")
     assert free_blocks(producer.llm) == producer.all_free
 

@@ -16,6 +16,7 @@ from pagedinfer.core.kv_transfer_metadata import (
     KVConnectorOutput,
     KVTransferSpec,
 )
+from pagedinfer.core.kv_transfer_tracker import KVTransferTracker
 from pagedinfer.core.request import Request, RequestStatus
 from pagedinfer.core.sched_output import SchedulerOutput
 from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRole
@@ -61,11 +62,7 @@ class ScriptedConnector(KVConnectorBase):
 
 def make_scheduler(connector: ScriptedConnector, failure_policy: str = "recompute", **kw: Any):
     sched = create_scheduler(**kw)
-    sched.connector = connector
-    sched.kv_load_failure_policy = failure_policy
-    from pagedinfer.core.messages import KVTransferStats
-
-    sched._kv_stats = KVTransferStats()
+    sched.kv_transfer = KVTransferTracker(connector, sched.kv_cache_manager, failure_policy)
     return sched
 
 
