@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pagedinfer import envs
+
 __all__ = [
     "DATASET_NAMES",
     "MAX_PROMPT_LEN",
@@ -73,7 +75,7 @@ class SampleRequest:
 
 def default_data_dir() -> str:
     """$PAGEDINFER_DATA_DIR, else `shared/data` next to the repository."""
-    env = os.environ.get("PAGEDINFER_DATA_DIR")
+    env = envs.data_dir()
     if env:
         return env
     import pagedinfer

@@ -25,10 +25,11 @@ operators who need the protection set `PYTHONHASHSEED` to a secret.
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+from pagedinfer import envs
 
 if TYPE_CHECKING:
     from pagedinfer.core.request import Request
@@ -82,8 +83,7 @@ def get_hash_fn(name: str) -> HashFn:
 
 def root_hash(hash_fn: HashFn) -> BlockHash:
     """The parent of every first block (vLLM's NONE_HASH), seeded reproducibly."""
-    seed = os.environ.get("PYTHONHASHSEED") or "0"
-    return hash_fn((b"pagedinfer-root", (), (seed,)))
+    return hash_fn((b"pagedinfer-root", (), (envs.block_hash_seed(),)))
 
 
 def hash_block_tokens(

@@ -13,8 +13,9 @@ importing this module does not import Ray.
 from __future__ import annotations
 
 import logging
-import os
 import socket
+
+from pagedinfer import envs
 
 __all__ = ["connect_to_cluster", "first_line", "ray_is_connected"]
 
@@ -45,7 +46,7 @@ def connect_to_cluster(who: str) -> bool:
 
     if ray.is_initialized():  # the caller connected already: use (and keep) it
         return False
-    address = os.environ.get("RAY_ADDRESS", "auto")
+    address = envs.ray_address()
     if address == "local":
         raise ValueError(
             f"RAY_ADDRESS=local would start a Ray cluster inside this process; {who} an "

@@ -5,8 +5,9 @@ field's attribute docstring into `__pydantic_fields__[name].description`
 (`use_attribute_docstrings`), and `entrypoints/cli.py` builds its flags from those fields.
 The flag column is read back from the CLI's own parser (`build_parser()`), so a field
 without a flag, or a flag renamed, shows up here rather than drifting silently.
-`SamplingParams` and `StructuredOutputsParams` are msgspec structs; their docstrings are
-read with the extractor pydantic uses for the configs, so there is one parser for both.
+`SamplingParams` and `StructuredOutputsParams` are msgspec structs; their attribute
+docstrings are read from the source (`attribute_docstrings`), the way pydantic reads the
+configs'. The environment variables come from `envs.ENVIRONMENT_VARIABLES`.
 
 Output is deterministic (no dates, no machine-dependent defaults), which lets
 `tests/unit/test_docs.py` compare the committed page with `render()`.
@@ -18,8 +19,10 @@ Run: `python -m pagedinfer.entrypoints.gen_docs` (writes the page) or with `--ch
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import enum
+import inspect
 import json
 import os
 import sys
@@ -28,12 +31,9 @@ import typing
 from typing import Any
 
 import msgspec
-
-# The function pydantic applies for `use_attribute_docstrings`; reused for the msgspec
-# structs so that their docstrings are parsed exactly as the configs' are.
-from pydantic._internal._docs_extraction import extract_docstrings_from_cls
 from pydantic_core import PydanticUndefined
 
+from pagedinfer import envs
 from pagedinfer.config import EngineConfig
 from pagedinfer.entrypoints.cli import build_parser
 from pagedinfer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -135,9 +135,27 @@ def _config_rows(cls: type, flags: dict[str, argparse.Action], json_flag: str | 
     return rows
 
 
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """{field: docstring} for the fields of `cls` whose annotated assignment in the class
+    body is followed by a string literal (PEP 257's attribute docstrings)."""
+    (node,) = ast.parse(inspect.getsource(cls).strip()).body
+    assert isinstance(node, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for stmt, after in zip(node.body, node.body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
 def _struct_rows(cls: type[msgspec.Struct], flags: dict[str, str]) -> list[str]:
     hints = typing.get_type_hints(cls)
-    docs = extract_docstrings_from_cls(cls, use_inspect=True)
+    docs = attribute_docstrings(cls)
     rows = []
     for f in msgspec.structs.fields(cls):
         if f.name not in docs:
@@ -194,6 +212,12 @@ def render() -> str:
             _cell(StructuredOutputsParams.__doc__ or ""),
             _struct_rows(StructuredOutputsParams, {}),
         )
+    )
+    variables = envs.ENVIRONMENT_VARIABLES.items()
+    env_rows = [f"| `{name}` | {_cell(text)} |" for name, text in variables]
+    parts.append(
+        "## Environment variables\n\nRead by pagedinfer itself (`pagedinfer/envs.py`).\n\n"
+        "| variable | meaning |\n|---|---|\n" + "\n".join(env_rows) + "\n"
     )
     return "\n".join(parts)
 

@@ -1,0 +1,60 @@
+"""Every environment variable pagedinfer reads, in one place (vLLM's `envs.py`).
+
+Each is read when asked (a function call), not at import, so a test or a launcher that sets
+one later is seen. `ENVIRONMENT_VARIABLES` describes them; `docs/configuration.md` lists
+them from it. Variables pagedinfer only *sets* for the libraries below it (oneDNN's cache
+sizes, in `platform.py`) and those the libraries read themselves (`TORCH_EXTENSIONS_DIR`,
+`OMP_NUM_THREADS`) are not here.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "ENVIRONMENT_VARIABLES",
+    "block_hash_seed",
+    "data_dir",
+    "openai_api_key",
+    "ray_address",
+]
+
+ENVIRONMENT_VARIABLES: dict[str, str] = {
+    "PAGEDINFER_DATA_DIR": (
+        "Where benchmarks and `train-draft` look for their default dataset when "
+        "`--dataset-path` is not given (default: `shared/data` next to the repository)."
+    ),
+    "PYTHONHASHSEED": (
+        "Seeds the prefix-cache block hashes (default `0`): processes that share KV blocks "
+        "(data-parallel replicas, prefill and decode instances) must agree on it; set it "
+        "to a secret to keep block hashes from being predicted."
+    ),
+    "RAY_ADDRESS": (
+        'The Ray cluster the `ray` executor and data-parallel backend join (default `"auto"`: '
+        "the one `ray start` left on this machine); pagedinfer never starts one."
+    ),
+    "OPENAI_API_KEY": (
+        "`pagedinfer bench serve`: the bearer token sent to the server when `--api-key` is "
+        "not given."
+    ),
+}
+
+
+def data_dir() -> str | None:
+    """`PAGEDINFER_DATA_DIR`, or None when unset or empty."""
+    return os.environ.get("PAGEDINFER_DATA_DIR") or None
+
+
+def block_hash_seed() -> str:
+    """`PYTHONHASHSEED`, or "0"."""
+    return os.environ.get("PYTHONHASHSEED") or "0"
+
+
+def ray_address() -> str:
+    """`RAY_ADDRESS`, or "auto"."""
+    return os.environ.get("RAY_ADDRESS") or "auto"
+
+
+def openai_api_key() -> str | None:
+    """`OPENAI_API_KEY`, or None when unset or empty."""
+    return os.environ.get("OPENAI_API_KEY") or None
