@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -264,11 +263,9 @@ def test_arch_config_is_frozen_and_validated() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_default_model_loads_fast(dtype: torch.dtype) -> None:
-    start = time.perf_counter()
+def test_default_model_loads(dtype: torch.dtype) -> None:
+    # How fast it loads is a benchmark figure (docs/benchmarks.md, "Start-up"), not a test.
     config, weights = load_model_weights(None, dtype)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0, f"default model took {elapsed:.1f}s to load (goal < 5 s)"
     assert config == ModelArchConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64,
