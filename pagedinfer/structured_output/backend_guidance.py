@@ -42,9 +42,11 @@ import torch
 from pagedinfer.structured_output.backend import (
     MatcherGrammar,
     StructuredOutputBackend,
+    bitmask_words,
+)
+from pagedinfer.structured_output.specs import (
     StructuredOutputOptions,
     StructuredOutputSpecError,
-    bitmask_words,
     choice_alternatives,
     exact_date_formats,
     forbid_additional_properties,

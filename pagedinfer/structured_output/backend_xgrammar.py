@@ -32,9 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedinfer.structured_output.backend import (
-    MatcherGrammar,
-    StructuredOutputBackend,
+from pagedinfer.structured_output.backend import MatcherGrammar, StructuredOutputBackend
+from pagedinfer.structured_output.specs import (
     StructuredOutputOptions,
     StructuredOutputSpecError,
     choice_alternatives,

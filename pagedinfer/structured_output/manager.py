@@ -35,10 +35,9 @@ from pagedinfer.sampling_params import StructuredOutputsParams
 from pagedinfer.structured_output.backend import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
-    StructuredOutputOptions,
-    canonical_spec,
     create_backend,
 )
+from pagedinfer.structured_output.specs import StructuredOutputOptions, canonical_spec
 
 if TYPE_CHECKING:
     from pagedinfer.config import EngineConfig

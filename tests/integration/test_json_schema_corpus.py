@@ -25,9 +25,10 @@ import re
 import pytest
 
 from pagedinfer import LLM, SamplingParams, StructuredOutputsParams
-from pagedinfer.structured_output.backend import StructuredOutputOptions, resolve_auto_backend
+from pagedinfer.structured_output.backend import resolve_auto_backend
 from pagedinfer.structured_output.backend_guidance import validate_guidance_spec
 from pagedinfer.structured_output.backend_xgrammar import validate_xgrammar_spec
+from pagedinfer.structured_output.specs import StructuredOutputOptions
 
 pytestmark = pytest.mark.integration
 

@@ -379,7 +379,7 @@ def _chunk(text: str | None = None, usage: dict | None = None) -> bytes:
 async def _scripted_server_records() -> dict[str, object]:
     from aiohttp import ClientSession, web
 
-    from pagedinfer.bench.serve import stream_request
+    from pagedinfer.bench.serve_client import stream_request
 
     async def stream(request: web.Request) -> web.StreamResponse:
         mode = request.match_info["mode"]
@@ -452,7 +452,7 @@ def test_stream_request_measures_and_records_failures() -> None:
 
 
 def test_chat_payload_and_chunk_text() -> None:
-    from pagedinfer.bench.serve import _chunk_text, build_payload
+    from pagedinfer.bench.serve_client import _chunk_text, build_payload
 
     body = build_payload("m", "hi", 8, chat=True, ignore_eos=True)
     assert body["messages"] == [{"role": "user", "content": "hi"}]

@@ -25,7 +25,8 @@ import uvicorn
 from aiohttp import web
 
 from pagedinfer.entrypoints.cli import build_parser, main
-from pagedinfer.entrypoints.disagg_proxy import UpstreamPool, build_app
+from pagedinfer.entrypoints.disagg_proxy import build_app
+from pagedinfer.entrypoints.proxy_upstream import UpstreamPool
 
 pytestmark = pytest.mark.timeout(30)
 
