@@ -28,6 +28,7 @@ import urllib.error
 from datetime import datetime
 from typing import Any
 
+from pagedinfer import envs
 from pagedinfer.bench.datasets import (
     SampleRequest,
     add_dataset_args,
@@ -281,7 +282,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     endpoint = ns.endpoint if ns.endpoint.startswith("/") else "/" + ns.endpoint
     url = base + endpoint
     chat = is_chat(endpoint)
-    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY")
+    api_key = ns.api_key or envs.openai_api_key()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     model = ns.model
