@@ -5,8 +5,8 @@
 minutes of retries); `ray_is_connected` tells the monitors when the connection, and with it
 every actor of this job, is gone; `first_line` shortens a Ray error to its message.
 
-Callers: `executor/ray_executor.py` (workers as actors), `engine/core_client.py` and
-`engine/dp_client.py` (engine cores as actors). Ray is imported inside the functions, so
+Callers: `executor/ray_executor.py` (workers as actors), `engine/ray_client.py` and
+`engine/dp_replicas.py` (engine cores as actors). Ray is imported inside the functions, so
 importing this module does not import Ray.
 """
 

@@ -25,13 +25,11 @@ Start-up:
    and a free port, and build every rank's `Worker` with that torch.distributed address
    (each with `cpu_count // ranks on its node` torch threads unless `num_threads` is set).
 
-Calls use the typed messages and codec of the multi-process executor: the driver encodes a
-`WorkerCall` into msgpack buffers and sends them as bytes; an actor decodes, dispatches
-through `worker_proc.handle_call` and returns its encoded `WorkerReply` (or None where the
-executor expects no reply). So only bytes cross Ray, never pickled objects of ours, and the
-two executors cannot drift apart. An actor runs its calls one at a time in submission
-order, which keeps each rank's execute/sample sequence; the ranks keep each other in step
-through their collectives.
+Calls use the typed messages and codec of the multi-process executor: the driver sends the
+msgpack buffers of a `WorkerCall` as bytes, and each actor (`ray_worker.RayWorkerWrapper`)
+answers with an encoded `WorkerReply`. So only bytes cross Ray, never pickled objects of
+ours, and the two executors cannot drift apart; the ranks keep each other in step through
+their collectives.
 
 Failures: a watch call runs on every actor for its whole life (in a separate concurrency
 group) and a monitor thread waits on them; its ref fails the moment the actor's process
@@ -57,16 +55,13 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 import time
-import traceback
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import cache
 from typing import Any, cast
 
-from pagedinfer.config import EngineConfig, config_from_json, config_to_json
+from pagedinfer.config import EngineConfig, config_to_json
 from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.ray_utils import connect_to_cluster, first_line, ray_is_connected
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
@@ -84,12 +79,11 @@ from pagedinfer.executor.messages import (
     WorkerCall,
     WorkerReply,
 )
-from pagedinfer.executor.worker_proc import handle_call
-from pagedinfer.logging_utils import setup_worker_logging
+from pagedinfer.executor.ray_worker import MONITOR_GROUP, encode_for_ray, remote_worker_class
 
 logger = logging.getLogger("pagedinfer")
 
-__all__ = ["RayDistributedExecutor", "RayWorkerWrapper"]
+__all__ = ["RayDistributedExecutor"]
 
 # How often a waiting call looks at the failure flag and the other ranks' finished calls.
 _POLL_S = 0.5
@@ -97,90 +91,8 @@ _STARTUP_TIMEOUT_S = 600.0
 # Ray inlines call arguments up to 100 KiB in the task itself; a larger message is put in
 # the object store once, rather than once per rank.
 _INLINE_ARG_BYTES = 100 * 1024
-# The actors' second concurrency group: the watch call, beside the one running the calls.
-_MONITOR_GROUP = "monitor"
 # How long a rank's error waits for a death that would explain it (see _fail_on_error).
 _DEATH_GRACE_S = 1.0
-
-
-def _encode(encoder: MsgpackEncoder, obj: Any) -> list[bytes]:
-    """The codec's buffers as bytes: Ray serialises bytes as they are, a memoryview not."""
-    return [bytes(b) for b in encoder.encode(obj)]
-
-
-class RayWorkerWrapper:
-    """One rank: the body of a Ray actor (the executor turns it into a remote class, so
-    importing this module does not import Ray). It holds the `Worker` and the codec."""
-
-    def __init__(self, rank: int, config_json: str) -> None:
-        setup_worker_logging(rank)
-        self.rank = rank
-        self.config = config_from_json(config_json)
-        par = self.config.parallel_config
-        # TP rank 0 of the last pipeline stage answers for the step (vLLM's output rank).
-        self.output_rank = par.world_size - par.tensor_parallel_size
-        self.worker: Any = None
-        self._decoder = MsgpackDecoder(WorkerCall)
-        self._encoder = MsgpackEncoder()
-
-    def node_info(self) -> tuple[str, str, int, int]:
-        """(Ray node id, node IP, the node's CPU count, pid)."""
-        import ray
-
-        node_id = ray.get_runtime_context().get_node_id()
-        return node_id, ray.util.get_node_ip_address(), os.cpu_count() or 1, os.getpid()
-
-    def free_port(self) -> int:
-        """A port free on this node now (rank 0 then listens on it for the rendezvous)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-
-    def init_worker(self, init_method: str, num_local_ranks: int) -> int:
-        """Build the `Worker` (joins the process groups: every rank must be in this call at
-        once); returns its torch thread count."""
-        import torch
-
-        from pagedinfer.worker.worker import Worker
-
-        if self.config.model_config.num_threads is None:
-            # The ranks on this node share its cores; more threads than cores only contend.
-            # (Set here, in the thread that runs every later call: OpenMP's thread count is
-            # per calling thread, and Ray gives an actor OMP_NUM_THREADS=1.)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
-        self.worker = Worker(self.config, self.rank, init_method)
-        return torch.get_num_threads()
-
-    def execute(self, data: list[bytes]) -> list[bytes] | None:
-        """One encoded `WorkerCall`: its encoded `WorkerReply`, None where the executor
-        expects no reply from this rank. An error is sent back as a reply (the executor then
-        kills every rank: this one's state is undefined)."""
-        try:
-            call = self._decoder.decode(data)
-            reply_wanted, result = handle_call(self.worker, call, self.rank, self.output_rank)
-        except Exception as exc:
-            logger.error("worker %d failed:\n%s", self.rank, traceback.format_exc())
-            error = f"worker {self.rank}: {type(exc).__name__}: {exc}"
-            return _encode(self._encoder, WorkerReply(error=error))
-        if not reply_wanted:
-            return None
-        return _encode(self._encoder, WorkerReply(result=result))
-
-    def watch(self) -> None:
-        """Never returns (runs in the monitor concurrency group): the executor holds this
-        call's ref, which Ray fails as soon as this actor's process dies."""
-        threading.Event().wait()
-
-
-@cache
-def _remote_worker_class() -> Any:
-    import ray
-
-    # max_concurrency=1: the calls run one at a time, in the order they were submitted.
-    # (Ray's type stubs list only the task options of `ray.remote`, not the actor ones.)
-    return ray.remote(  # type: ignore[call-overload]
-        num_cpus=1, max_concurrency=1, concurrency_groups={_MONITOR_GROUP: 1}
-    )(RayWorkerWrapper)
 
 
 class RayDistributedExecutor(Executor):
@@ -260,7 +172,7 @@ class RayDistributedExecutor(Executor):
                 f"{ray.cluster_resources().get('CPU', 0):g}. Add nodes (`ray start "
                 "--address=HEAD_IP:6379`) or lower the tensor/pipeline parallel size."
             )
-        worker_class = _remote_worker_class()
+        worker_class = remote_worker_class()
         config_json = config_to_json(config)
         for rank in range(n):
             strategy = PlacementGroupSchedulingStrategy(
@@ -268,7 +180,7 @@ class RayDistributedExecutor(Executor):
             )
             actor = worker_class.options(scheduling_strategy=strategy).remote(rank, config_json)
             self.actors.append(actor)
-            self._watches.append(actor.watch.options(concurrency_group=_MONITOR_GROUP).remote())
+            self._watches.append(actor.watch.options(concurrency_group=MONITOR_GROUP).remote())
         self._monitor = threading.Thread(
             target=self._watch_workers, name="executor-monitor", daemon=True
         )
@@ -412,7 +324,7 @@ class RayDistributedExecutor(Executor):
         import ray
 
         self._raise_if_failed()
-        data = _encode(self._encoder, call)
+        data = encode_for_ray(self._encoder, call)
         arg = data if sum(map(len, data)) < _INLINE_ARG_BYTES else ray.put(data)
         try:
             return [actor.execute.remote(arg) for actor in self.actors]

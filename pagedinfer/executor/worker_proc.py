@@ -98,7 +98,7 @@ def main() -> None:
 def handle_call(worker: Any, call: Any, rank: int, output_rank: int) -> tuple[bool, Any]:
     """Run one decoded `WorkerCall` (not `Shutdown`) on `worker`: whether the executor
     expects a reply from this rank, and the result. Exceptions propagate; the caller reports
-    them. Shared by this process's busy loop and the Ray actor (`ray_executor.py`), so both
+    them. Shared by this process's busy loop and the Ray actor (`ray_worker.py`), so both
     executors dispatch a call the same way."""
     from pagedinfer.executor.messages import (
         WORKER_UTILITY_METHODS,

@@ -1,7 +1,7 @@
 """`pagedinfer serve --data-parallel-size 2 --data-parallel-backend ray` as a real server
 process: two engine cores as Ray actors on a real cluster (the `ray_cluster` fixture:
 loopback, 4 CPUs; the server inherits the fixture's RAY_ADDRESS), behind one front end that
-drives them over TCP sockets (`engine/dp_client.py`, `RayMPClient`).
+drives them over TCP sockets (`engine/dp_replicas.py`, `engine/ray_client.py`).
 - 8 concurrent greedy completions all finish with the text a single engine gives
   (`LLM.generate`, float32), and the router gave both replicas a share;
 - the engine cores are Ray actor processes, not the server's: Ray started them, outside the

@@ -20,7 +20,8 @@ from pagedinfer.core.messages import (
     SchedulerStats,
 )
 from pagedinfer.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedinfer.engine.dp_client import DPAsyncMPClient, DPLoadRouter, replica_config
+from pagedinfer.engine.dp_client import DPAsyncMPClient, DPLoadRouter
+from pagedinfer.engine.dp_replicas import replica_config
 from pagedinfer.engine.output_processor import split_request
 from pagedinfer.engine.protocol import EngineCoreReady
 from pagedinfer.sampling_params import SamplingParams
