@@ -54,13 +54,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
+from pagedinfer import envs
 from pagedinfer.config import EngineConfig, config_to_json
 from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedinfer.distributed.ray_utils import connect_to_cluster, first_line, ray_is_connected
@@ -145,7 +145,7 @@ class RayDistributedExecutor(Executor):
     def _connect(self) -> None:
         import ray
 
-        address = os.environ.get("RAY_ADDRESS", "auto")
+        address = envs.ray_address()
         self._owns_ray_connection = connect_to_cluster("the ray executor connects to")
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         logger.info(
