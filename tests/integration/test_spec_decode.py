@@ -72,10 +72,15 @@ def spec_llm(request, draft_dirs):
     llm.llm_engine.engine_core.shutdown()
 
 
+ALONE = (0, 3, 8, 11)
+"""The prompts also run one at a time: two short ones and two of the long ones (all twelve
+run batched)."""
+
+
 def test_greedy_equals_plain_decoding_alone_and_batched(spec_llm, prompts, hf_outputs) -> None:
-    for i, (ids, expected) in enumerate(zip(prompts, hf_outputs)):
-        out = spec_llm.generate({"prompt_token_ids": ids}, _greedy(), use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == expected, f"prompt {i} diverged alone"
+    for i in ALONE:
+        out = spec_llm.generate({"prompt_token_ids": prompts[i]}, _greedy(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_outputs[i], f"prompt {i} diverged alone"
     outs = spec_llm.generate(
         [{"prompt_token_ids": ids} for ids in prompts], _greedy(), use_tqdm=False
     )
