@@ -47,7 +47,7 @@ from pagedinfer.model.sharding import TPShard
 from pagedinfer.model.weights import install_quantized, install_weights
 
 if TYPE_CHECKING:
-    from pagedinfer.model.loader import ModelArchConfig
+    from pagedinfer.model.arch_config import ModelArchConfig
     from pagedinfer.model.quant import QuantBlocks, QuantizedWeight
 
 __all__ = ["LlamaForCausalLM"]

@@ -43,6 +43,19 @@ _GGUF_ARCHITECTURES: dict[str, str] = {
 """GGUF `general.architecture` -> HF architecture name."""
 
 
+_MIXTURE_OF_EXPERTS = frozenset(
+    {
+        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+        "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "PhimoeForCausalLM",
+        "OlmoeForCausalLM", "GraniteMoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
+        "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+    }
+)  # fmt: skip
+"""Mixture-of-experts architectures: refused with that reason until the engine runs them."""
+
+_GGUF_MIXTURE_OF_EXPERTS = frozenset({"qwen2moe", "qwen3moe", "deepseek2", "olmoe", "gpt-oss"})
+
+
 def supported_architectures() -> list[str]:
     """The HF architecture names pagedinfer runs, sorted."""
     return sorted(_MODELS)
@@ -54,6 +67,11 @@ def _quoted(names: list[str]) -> str:
 
 def check_architecture(architecture: str) -> str:
     """`architecture` if it is supported, else ValueError naming the supported ones."""
+    if architecture in _MIXTURE_OF_EXPERTS:
+        raise ValueError(
+            f"Model architecture {architecture!r} is a mixture-of-experts model, which "
+            f"pagedinfer does not run yet (supported: {_quoted(supported_architectures())})"
+        )
     if architecture not in _MODELS:
         raise ValueError(
             f"Model architecture {architecture!r} is not supported "
@@ -66,6 +84,11 @@ def gguf_architecture(name: object) -> str:
     """A GGUF file's `general.architecture` -> the HF architecture name, else ValueError
     naming the supported GGUF architectures."""
     architecture = _GGUF_ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if name in _GGUF_MIXTURE_OF_EXPERTS:
+        raise ValueError(
+            f"GGUF architecture {name!r} is a mixture-of-experts model, which pagedinfer "
+            f"does not run yet (supported: {_quoted(sorted(_GGUF_ARCHITECTURES))})"
+        )
     if architecture is None:
         raise ValueError(
             f"GGUF architecture {name!r} is not supported "

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from pagedinfer.gguf_metadata import find_default_model
+from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.loader import (
-    ModelArchConfig,
     _undo_rope_permutation,
     export_hf_dir,
     load_model_config,
@@ -73,9 +73,16 @@ _TO_GGUF = {
 }  # fmt: skip
 
 
-def _write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama") -> None:
+def _write_tiny_gguf(
+    path: Path, hf: dict[str, np.ndarray], arch: str = "llama", extra: dict[str, Any] | None = None
+) -> None:
     gguf = pytest.importorskip("gguf", reason="gguf's writer builds the tiny test file")
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (extra or {}).items():
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
     writer.add_block_count(TINY["layers"])
     writer.add_context_length(64)
     writer.add_embedding_length(TINY["hidden"])
