@@ -14,10 +14,18 @@ from typing import Any
 
 __all__ = ["ModelArchConfig"]
 
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+"""Architecture -> transformers' `model_type`, for `to_hf_config_dict`."""
+
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Architecture hyper-parameters of a decoder-only Llama-family model (HF names)."""
+    """Architecture hyper-parameters of a decoder-only model (HF names). The defaults are
+    Llama's; each family's reader sets the fields that differ."""
 
     vocab_size: int
     hidden_size: int
@@ -35,6 +43,11 @@ class ModelArchConfig:
     """Every token id that ends generation; the first is the model's primary EOS."""
     architecture: str = "LlamaForCausalLM"
     hidden_act: str = "silu"
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2), not on o_proj."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and each key head, before RoPE (Qwen3), with weights
+    `self_attn.q_norm` and `self_attn.k_norm` of `head_dim` each."""
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids:
@@ -51,13 +64,14 @@ class ModelArchConfig:
         return self.eos_token_ids[0]
 
     def to_hf_config_dict(self) -> dict[str, Any]:
-        """A `config.json` dict that transformers' LlamaConfig reads back to the same values."""
+        """A `config.json` dict that transformers reads back to the same values (the
+        architecture's own config class)."""
         eos: int | list[int] = (
             self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
         )
         return {
             "architectures": [self.architecture],
-            "model_type": "llama",
+            "model_type": _MODEL_TYPES[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

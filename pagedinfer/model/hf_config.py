@@ -17,13 +17,14 @@ Callers: `model/loader.py` (`load_model_config`, `load_model_weights`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 from pagedinfer.model.arch_config import ModelArchConfig
-from pagedinfer.model.registry import check_architecture
+from pagedinfer.model.registry import architecture_features, check_architecture
 
 __all__ = ["INERT_KEYS", "read_json", "hf_arch_config"]
 
@@ -75,15 +76,38 @@ def _false(value: Any) -> bool:
     return value is None or value is False
 
 
+def _all_full_attention(value: Any) -> bool:
+    return value is None or all(t == "full_attention" for t in value)
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+_NO_SLIDING_WINDOW: dict[str, _Check] = {
+    # Qwen2/3 slide only where `use_sliding_window` is set (on the layers `layer_types`
+    # marks); `sliding_window` and `max_window_layers` matter only then.
+    "use_sliding_window": _false,
+    "layer_types": _all_full_attention,
+    "sliding_window": _any,
+    "max_window_layers": _any,
+}
+
 _CHECKED: dict[str, dict[str, _Check]] = {
     "LlamaForCausalLM": {
         "attention_bias": _false,
         "mlp_bias": _false,
         "hidden_act": lambda v: v == "silu",
     },
+    "Qwen2ForCausalLM": {"hidden_act": lambda v: v == "silu", **_NO_SLIDING_WINDOW},
+    "Qwen3ForCausalLM": {
+        "attention_bias": _false,
+        "hidden_act": lambda v: v == "silu",
+        **_NO_SLIDING_WINDOW,
+    },
 }
-"""architecture -> {config key: accepted values}; keys the family's model code does not
-implement beyond one value."""
+"""architecture -> {config key: accepted values}: the keys its model code implements for
+some values only (or, `_any`, that matter only with another key's refused value)."""
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -163,7 +187,7 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
         extra = _as_id_tuple(read_json(gen_path).get("eos_token_id"))
         eos_ids += [i for i in extra if i not in eos_ids]
     tie = bool(cfg.get("tie_word_embeddings", False)) or not has_lm_head
-    return ModelArchConfig(
+    config = ModelArchConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
@@ -180,3 +204,4 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
         architecture=architecture,
         hidden_act=cfg.get("hidden_act", "silu"),
     )
+    return dataclasses.replace(config, **architecture_features(architecture))

@@ -9,12 +9,14 @@ Invariants:
 - Tensors come back in the requested dtype (float32 or bfloat16), contiguous, on CPU.
 - `lm_head.weight` is present only when the embeddings are *not* tied
   (`config.tie_word_embeddings is False`); a tied model reuses `model.embed_tokens.weight`.
-- GGUF Q/K projections are returned in HF's rotate-half row layout: llama.cpp's converter
-  interleaves the two rotary halves of every head, and `_undo_rope_permutation` inverts that
-  exactly, so the weights equal the original HF checkpoint up to quantisation.
-- Only the architectures `model/registry.py` lists are read (Llama: no biases, no rope
-  scaling); anything else raises ValueError, naming the supported ones, instead of loading
-  silently wrong weights. GGUF names map to HF ones in `model/weights.py`.
+- GGUF Q/K projections are returned in HF's rotate-half row layout: for its `llama`
+  architecture, llama.cpp's converter interleaves the two rotary halves of every head, and
+  `_undo_rope_permutation` inverts that exactly, so the weights equal the original HF
+  checkpoint up to quantisation (Qwen files are stored in HF's order already).
+- Only the architectures `model/registry.py` lists are read, and only config fields the
+  model code implements (`model/hf_config.py`; `_check_gguf_keys` for GGUF metadata);
+  anything else raises ValueError naming it, instead of loading silently wrong weights.
+  GGUF names map to HF ones in `model/weights.py`.
 
 Callers: the worker's model loading, integration tests, and `export_hf_dir` (which writes a GGUF
 out as an HF directory for peers that cannot read GGUF, such as vLLM's CPU build).
@@ -35,7 +37,7 @@ from pagedinfer.gguf_metadata import find_default_model
 from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.hf_config import hf_arch_config, read_json
-from pagedinfer.model.registry import gguf_architecture
+from pagedinfer.model.registry import architecture_features, gguf_architecture
 from pagedinfer.model.weights import gguf_to_hf_name
 
 if TYPE_CHECKING:
@@ -54,6 +56,11 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------------------------
 # GGUF
 # --------------------------------------------------------------------------------------------
+
+
+_ROPE_PERMUTED = frozenset({"LlamaForCausalLM"})
+"""Architectures whose GGUF Q/K rows llama.cpp's converter interleaves (its `llama`
+architecture; Qwen and the others keep Hugging Face's rotate-half order)."""
 
 
 def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -124,7 +131,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     if eos is None:
         raise ValueError("GGUF metadata lacks tokenizer.ggml.eos_token_id")
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelArchConfig(
+    config = ModelArchConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -140,6 +147,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
         eos_token_ids=(int(eos),),
         architecture=architecture,
     )
+    return dataclasses.replace(config, **architecture_features(architecture))
 
 
 def _load_gguf(
@@ -160,7 +168,9 @@ def _load_gguf(
             array = gguf.load_tensor(name)  # float32, torch-order shape
         else:
             array = gguf.load_tensor_rows(name, *span)
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.architecture in _ROPE_PERMUTED and hf_name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
             # Whole heads (a shard never splits one), permuted within each head.
             array = _undo_rope_permutation(array, array.shape[0] // config.head_dim)
         weights[hf_name] = _to_dtype(torch.from_numpy(array), dtype)
@@ -188,7 +198,9 @@ def load_quant_blocks(
         if blocks is None:
             continue
         heads = None
-        if hf_name.endswith("q_proj.weight"):
+        if config.architecture not in _ROPE_PERMUTED:
+            pass
+        elif hf_name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
         elif hf_name.endswith("k_proj.weight"):
             heads = config.num_key_value_heads

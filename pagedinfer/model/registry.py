@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pagedinfer.model.llama import LlamaForCausalLM
 
 __all__ = [
+    "architecture_features",
     "check_architecture",
     "get_model_class",
     "gguf_architecture",
@@ -34,11 +35,23 @@ __all__ = [
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+    # The same decoder with QKV biases (Qwen2) or QK-norm (Qwen3), set by the config.
+    "Qwen2ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
 }
 """HF architecture name -> (module, class name)."""
 
+_FEATURES: dict[str, dict[str, object]] = {
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+"""Architecture -> the `ModelArchConfig` fields it implies (beyond Llama's defaults),
+whichever format the checkpoint comes in."""
+
 _GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 """GGUF `general.architecture` -> HF architecture name."""
 
@@ -95,6 +108,12 @@ def gguf_architecture(name: object) -> str:
             f"(supported: {_quoted(sorted(_GGUF_ARCHITECTURES))})"
         )
     return architecture
+
+
+def architecture_features(architecture: str) -> dict[str, object]:
+    """The `ModelArchConfig` fields a supported architecture implies (e.g. Qwen2's QKV
+    biases), for the checkpoint readers."""
+    return dict(_FEATURES.get(check_architecture(architecture), {}))
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
