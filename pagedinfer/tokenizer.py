@@ -138,7 +138,7 @@ class Tokenizer:
             for tok in tokens
         ]
         vocab = {tok: i for i, tok in enumerate(spelled)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
 
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -1,7 +1,9 @@
-"""Llama-architecture decoder (SmolLM2, Llama 2/3 and friends) over a flattened batch.
+"""The Llama-style decoder (Llama, SmolLM2, Qwen2, Qwen3) over a flattened batch.
 
 Forward only: embeddings -> N x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP)
--> RMSNorm; `compute_logits` runs the (tied) LM head only on the rows that need logits.
+-> RMSNorm; the config adds a family's features (`ModelArchConfig`: QKV biases for Qwen2,
+a per-head RMSNorm of q and k before RoPE for Qwen3); `compute_logits` runs the (tied) LM
+head only on the rows that need logits.
 Inputs are the step's tokens of all requests laid end to end (`[num_tokens]`), so there is
 no batch dimension; which tokens belong together is the attention backend's business,
 reached through the `ForwardContext`.
@@ -47,7 +49,7 @@ from pagedinfer.model.sharding import TPShard
 from pagedinfer.model.weights import install_quantized, install_weights
 
 if TYPE_CHECKING:
-    from pagedinfer.model.loader import ModelArchConfig
+    from pagedinfer.model.arch_config import ModelArchConfig
     from pagedinfer.model.quant import QuantBlocks, QuantizedWeight
 
 __all__ = ["LlamaForCausalLM"]
@@ -84,6 +86,22 @@ class RMSNorm(nn.Module):
         # Lower precision: one fused op (it accumulates in float32 internally); rounding
         # once after the weight instead of HF's twice, i.e. slightly more accurate.
         return F.rms_norm(x, self.shape, self.weight, eps=self.eps)
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last dimension of [num_tokens, num_heads, head_dim] (QK-norm), in
+    float32 as Hugging Face's, then scaled by the weight in the input dtype. Always the
+    torch path: the C++ norm kernels take [rows, hidden] contiguous inputs."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim), requires_grad=False)
+        self.eps = eps
+        self.shape = (head_dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+        return self.weight * normed
 
 
 class RotaryEmbedding(nn.Module):
@@ -154,8 +172,14 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         hidden = config.hidden_size
         # Fused [q; k; v] rows: one matmul instead of three.
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, hidden)
+        # Qwen3: each query and key head is RMS-normalised before RoPE.
+        self.q_norm: HeadRMSNorm | None = None
+        self.k_norm: HeadRMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps)
         self.backend = backend
         self.ops: Any = None  # C++ layer kernels (enable_fused_ops)
         self.rotary: RotaryEmbedding | None = None  # full tables, for the fused kernel
@@ -164,6 +188,13 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         num_rotated = self.num_heads + self.num_kv_heads
+        if self.q_norm is not None and self.k_norm is not None:
+            # In place on qkv (a fresh tensor), so both RoPE paths below read the result.
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         if self.ops is not None:
             # In place on the q and k heads of qkv, float32 tables indexed by position.
             assert self.rotary is not None

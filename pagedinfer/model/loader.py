@@ -9,12 +9,14 @@ Invariants:
 - Tensors come back in the requested dtype (float32 or bfloat16), contiguous, on CPU.
 - `lm_head.weight` is present only when the embeddings are *not* tied
   (`config.tie_word_embeddings is False`); a tied model reuses `model.embed_tokens.weight`.
-- GGUF Q/K projections are returned in HF's rotate-half row layout: llama.cpp's converter
-  interleaves the two rotary halves of every head, and `_undo_rope_permutation` inverts that
-  exactly, so the weights equal the original HF checkpoint up to quantisation.
-- Only the architectures `model/registry.py` lists are read (Llama: no biases, no rope
-  scaling); anything else raises ValueError, naming the supported ones, instead of loading
-  silently wrong weights. GGUF names map to HF ones in `model/weights.py`.
+- GGUF Q/K projections are returned in HF's rotate-half row layout: for its `llama`
+  architecture, llama.cpp's converter interleaves the two rotary halves of every head, and
+  `_undo_rope_permutation` inverts that exactly, so the weights equal the original HF
+  checkpoint up to quantisation (Qwen files are stored in HF's order already).
+- Only the architectures `model/registry.py` lists are read, and only config fields the
+  model code implements (`model/hf_config.py`; `_check_gguf_keys` for GGUF metadata);
+  anything else raises ValueError naming it, instead of loading silently wrong weights.
+  GGUF names map to HF ones in `model/weights.py`.
 
 Callers: the worker's model loading, integration tests, and `export_hf_dir` (which writes a GGUF
 out as an HF directory for peers that cannot read GGUF, such as vLLM's CPU build).
@@ -26,15 +28,16 @@ import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pagedinfer.gguf_metadata import find_default_model
+from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.gguf import GGUFFile
-from pagedinfer.model.registry import check_architecture, gguf_architecture
+from pagedinfer.model.hf_config import hf_arch_config, read_json
+from pagedinfer.model.registry import architecture_features, gguf_architecture
 from pagedinfer.model.weights import gguf_to_hf_name
 
 if TYPE_CHECKING:
@@ -42,7 +45,6 @@ if TYPE_CHECKING:
     from pagedinfer.model.sharding import RowPlan, WeightFilter
 
 __all__ = [
-    "ModelArchConfig",
     "export_hf_dir",
     "load_model_config",
     "load_model_weights",
@@ -51,73 +53,14 @@ __all__ = [
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class ModelArchConfig:
-    """Architecture hyper-parameters of a decoder-only Llama-family model (HF names)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    """Every token id that ends generation; the first is the model's primary EOS."""
-    architecture: str = "LlamaForCausalLM"
-    hidden_act: str = "silu"
-
-    def __post_init__(self) -> None:
-        if not self.eos_token_ids:
-            raise ValueError("ModelArchConfig needs at least one eos token id")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-
-    @property
-    def eos_token_id(self) -> int:
-        """The primary EOS id (first of `eos_token_ids`)."""
-        return self.eos_token_ids[0]
-
-    def to_hf_config_dict(self) -> dict[str, Any]:
-        """A `config.json` dict that transformers' LlamaConfig reads back to the same values."""
-        eos: int | list[int] = (
-            self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
-        )
-        return {
-            "architectures": [self.architecture],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            # transformers >= 5 reads rope_parameters; older versions read rope_theta.
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
-
-
 # --------------------------------------------------------------------------------------------
 # GGUF
 # --------------------------------------------------------------------------------------------
+
+
+_ROPE_PERMUTED = frozenset({"LlamaForCausalLM"})
+"""Architectures whose GGUF Q/K rows llama.cpp's converter interleaves (its `llama`
+architecture; Qwen and the others keep Hugging Face's rotate-half order)."""
 
 
 def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -136,6 +79,28 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w).reshape(rows, cols)  # [num_heads * head_dim, cols]
 
 
+_GGUF_READ_KEYS = frozenset(
+    {
+        "context_length", "embedding_length", "block_count", "feed_forward_length",
+        "attention.head_count", "attention.head_count_kv", "attention.key_length",
+        "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+        "rope.dimension_count", "rope.scaling.type", "vocab_size",
+    }
+)  # fmt: skip
+"""The `{arch}.` metadata keys the GGUF reader reads or checks; any other `{arch}.` key
+(llama.cpp's names for experts, sliding windows, soft caps, RoPE scaling...) is refused,
+named, since it may change the model's outputs."""
+
+
+def _check_gguf_keys(meta: dict[str, Any], arch: str) -> None:
+    for name in meta:
+        if name.startswith(f"{arch}.") and name[len(arch) + 1 :] not in _GGUF_READ_KEYS:
+            raise ValueError(
+                f"GGUF metadata {name} = {meta[name]!r} is not supported: pagedinfer does not "
+                "implement it, and it may change the model's outputs"
+            )
+
+
 def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
@@ -147,9 +112,12 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
             raise ValueError(f"GGUF metadata lacks {arch}.{name}")
         return value
 
+    _check_gguf_keys(meta, arch)
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // num_heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length")
     rope_dim = int(key("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim})")
@@ -163,7 +131,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     if eos is None:
         raise ValueError("GGUF metadata lacks tokenizer.ggml.eos_token_id")
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelArchConfig(
+    config = ModelArchConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -179,6 +147,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
         eos_token_ids=(int(eos),),
         architecture=architecture,
     )
+    return dataclasses.replace(config, **architecture_features(architecture))
 
 
 def _load_gguf(
@@ -199,7 +168,9 @@ def _load_gguf(
             array = gguf.load_tensor(name)  # float32, torch-order shape
         else:
             array = gguf.load_tensor_rows(name, *span)
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if config.architecture in _ROPE_PERMUTED and hf_name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
             # Whole heads (a shard never splits one), permuted within each head.
             array = _undo_rope_permutation(array, array.shape[0] // config.head_dim)
         weights[hf_name] = _to_dtype(torch.from_numpy(array), dtype)
@@ -227,7 +198,9 @@ def load_quant_blocks(
         if blocks is None:
             continue
         heads = None
-        if hf_name.endswith("q_proj.weight"):
+        if config.architecture not in _ROPE_PERMUTED:
+            pass
+        elif hf_name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
         elif hf_name.endswith("k_proj.weight"):
             heads = config.num_key_value_heads
@@ -244,57 +217,10 @@ def load_quant_blocks(
 # --------------------------------------------------------------------------------------------
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data: dict[str, Any] = json.load(f)
-    return data
-
-
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
-
-
-def _hf_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
-    """Config from config.json (+ generation_config.json); tied if declared or lm_head absent."""
-    cfg = _read_json(os.path.join(model_dir, "config.json"))
-    architecture = check_architecture((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
-    hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"rope scaling {rope} is not supported")
-    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    # Stop ids: config.json's EOS first, then any extra ones generation_config.json lists.
-    eos_ids = list(_as_id_tuple(cfg.get("eos_token_id")))
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(gen_path):
-        extra = _as_id_tuple(_read_json(gen_path).get("eos_token_id"))
-        eos_ids += [i for i in extra if i not in eos_ids]
-    tie = bool(cfg.get("tie_word_embeddings", False)) or not has_lm_head
-    return ModelArchConfig(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=tie,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos_ids),
-        architecture=architecture,
-        hidden_act=cfg.get("hidden_act", "silu"),
-    )
-
-
 def _safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
         return [os.path.join(model_dir, shard) for shard in shards]
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
@@ -312,7 +238,7 @@ def _load_hf_dir(
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 weights[name] = _to_dtype(f.get_tensor(name), dtype)
-    config = _hf_config(model_dir, has_lm_head="lm_head.weight" in weights)
+    config = hf_arch_config(model_dir, has_lm_head="lm_head.weight" in weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return config, weights
@@ -346,7 +272,7 @@ def load_model_config(path: str | os.PathLike[str] | None = None) -> ModelArchCo
     if _is_gguf(resolved):
         return _gguf_config(GGUFFile(resolved))
     if os.path.isdir(resolved):
-        return _hf_config(resolved, has_lm_head=_has_lm_head(resolved))
+        return hf_arch_config(resolved, has_lm_head=_has_lm_head(resolved))
     raise ValueError(f"{resolved!r} is neither a .gguf file nor a model directory")
 
 
@@ -355,7 +281,7 @@ def _has_lm_head(model_dir: str) -> bool:
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        return "lm_head.weight" in _read_json(index)["weight_map"]
+        return "lm_head.weight" in read_json(index)["weight_map"]
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             if "lm_head.weight" in f.keys():  # noqa: SIM118

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pagedinfer.model.llama import LlamaForCausalLM
 
 __all__ = [
+    "architecture_features",
     "check_architecture",
     "get_model_class",
     "gguf_architecture",
@@ -34,13 +35,38 @@ __all__ = [
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+    # The same decoder with QKV biases (Qwen2) or QK-norm (Qwen3), set by the config.
+    "Qwen2ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
 }
 """HF architecture name -> (module, class name)."""
 
+_FEATURES: dict[str, dict[str, object]] = {
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+"""Architecture -> the `ModelArchConfig` fields it implies (beyond Llama's defaults),
+whichever format the checkpoint comes in."""
+
 _GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 """GGUF `general.architecture` -> HF architecture name."""
+
+
+_MIXTURE_OF_EXPERTS = frozenset(
+    {
+        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+        "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "PhimoeForCausalLM",
+        "OlmoeForCausalLM", "GraniteMoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
+        "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+    }
+)  # fmt: skip
+"""Mixture-of-experts architectures: refused with that reason until the engine runs them."""
+
+_GGUF_MIXTURE_OF_EXPERTS = frozenset({"qwen2moe", "qwen3moe", "deepseek2", "olmoe", "gpt-oss"})
 
 
 def supported_architectures() -> list[str]:
@@ -54,6 +80,11 @@ def _quoted(names: list[str]) -> str:
 
 def check_architecture(architecture: str) -> str:
     """`architecture` if it is supported, else ValueError naming the supported ones."""
+    if architecture in _MIXTURE_OF_EXPERTS:
+        raise ValueError(
+            f"Model architecture {architecture!r} is a mixture-of-experts model, which "
+            f"pagedinfer does not run yet (supported: {_quoted(supported_architectures())})"
+        )
     if architecture not in _MODELS:
         raise ValueError(
             f"Model architecture {architecture!r} is not supported "
@@ -66,12 +97,23 @@ def gguf_architecture(name: object) -> str:
     """A GGUF file's `general.architecture` -> the HF architecture name, else ValueError
     naming the supported GGUF architectures."""
     architecture = _GGUF_ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if name in _GGUF_MIXTURE_OF_EXPERTS:
+        raise ValueError(
+            f"GGUF architecture {name!r} is a mixture-of-experts model, which pagedinfer "
+            f"does not run yet (supported: {_quoted(sorted(_GGUF_ARCHITECTURES))})"
+        )
     if architecture is None:
         raise ValueError(
             f"GGUF architecture {name!r} is not supported "
             f"(supported: {_quoted(sorted(_GGUF_ARCHITECTURES))})"
         )
     return architecture
+
+
+def architecture_features(architecture: str) -> dict[str, object]:
+    """The `ModelArchConfig` fields a supported architecture implies (e.g. Qwen2's QKV
+    biases), for the checkpoint readers."""
+    return dict(_FEATURES.get(check_architecture(architecture), {}))
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from pagedinfer.distributed.parallel_state import get_pp_indices
 
 if TYPE_CHECKING:
-    from pagedinfer.model.loader import ModelArchConfig
+    from pagedinfer.model.arch_config import ModelArchConfig
 
 __all__ = [
     "PROJECTIONS",

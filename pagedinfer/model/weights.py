@@ -1,11 +1,11 @@
-"""Checkpoint weights onto a Llama model's parameters: names, fusion, TP slices, quant blocks.
+"""Checkpoint weights onto the decoder's parameters: names, fusion, TP slices, quant blocks.
 
 Role: the seam between the loader's HF-named tensors (`model/loader.py`) and the model's
 own parameters (`model/llama.py`). `gguf_to_hf_name` maps llama.cpp tensor names to Hugging
 Face ones (the loader reads GGUF files under HF names); `install_weights` fuses q/k/v and
-gate/up (`sharding.PROJECTIONS`), keeps this rank's slices and stage's layers and makes the
-tensors the parameters; `install_quantized` gives the projections the file's own quantised
-blocks, cut the same way.
+gate/up (`sharding.PROJECTIONS`, their biases alike), keeps this rank's slices and stage's
+layers and makes the tensors the parameters; `install_quantized` gives the projections the
+file's own quantised blocks, cut the same way.
 
 Invariants:
 - `install_weights` covers every parameter exactly once and refuses leftovers; it consumes
@@ -52,21 +52,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
-
-_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
-"""A decoder layer's unsharded weights besides `PROJECTIONS` (same name in file and model)."""
+_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 def gguf_to_hf_name(name: str) -> str:
-    """A llama.cpp tensor name -> its Hugging Face Llama name; ValueError if it has none."""
+    """A llama.cpp tensor name -> its Hugging Face name; ValueError if it has none."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     match = _GGUF_LAYER_RE.match(name)
     if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {name!r} has no Llama equivalent; unsupported model")
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
+        raise ValueError(f"GGUF tensor {name!r} is not supported (no equivalent in the model)")
+    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
 
 
 @torch.no_grad()
@@ -115,12 +114,21 @@ def install_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]
             for k in [k for k in sd if k.startswith(p)]:  # another pipeline stage's layer
                 del sd[k]
             continue
-        m = f"layers.{i - model.layer_start}."
+        local = i - model.layer_start
+        m = f"layers.{local}."
+        layer = model.layers[local]
         for target, parts in PROJECTIONS.items():
-            pieces = [keep_part(sd.pop(f"{p}{part.name}.weight"), part, ranges) for part in parts]
-            put(f"{m}{target}.weight", pieces[0] if len(pieces) == 1 else torch.cat(pieces))
-        for name in _LAYER_NORMS:
-            put(f"{m}{name}.weight", sd.pop(f"{p}{name}.weight"))
+            kinds = (
+                ("weight", "bias") if layer.get_submodule(target).bias is not None else ("weight",)
+            )
+            for kind in kinds:
+                pieces = [
+                    keep_part(sd.pop(f"{p}{part.name}.{kind}"), part, ranges) for part in parts
+                ]
+                put(f"{m}{target}.{kind}", pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        for name, _ in list(layer.named_parameters()):
+            if f"{m}{name}" not in loaded:  # norms: the same name in file and model
+                put(f"{m}{name}", sd.pop(f"{p}{name}"))
     # Rotary inverse frequencies are recomputed, never loaded.
     leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
     if leftover:

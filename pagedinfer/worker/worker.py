@@ -26,9 +26,9 @@ from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnector
 from pagedinfer.distributed.kv_transfer.base import layer_name as kv_layer_name
 from pagedinfer.distributed.kv_transfer.factory import create_connector
 from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, init_distributed
+from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import (
-    ModelArchConfig,
     load_model_config,
     load_model_weights,
     load_quant_blocks,

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from pagedinfer.gguf_metadata import find_default_model
+from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.loader import (
-    ModelArchConfig,
     _undo_rope_permutation,
     export_hf_dir,
     load_model_config,
@@ -73,9 +73,16 @@ _TO_GGUF = {
 }  # fmt: skip
 
 
-def _write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama") -> None:
+def _write_tiny_gguf(
+    path: Path, hf: dict[str, np.ndarray], arch: str = "llama", extra: dict[str, Any] | None = None
+) -> None:
     gguf = pytest.importorskip("gguf", reason="gguf's writer builds the tiny test file")
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (extra or {}).items():
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
     writer.add_block_count(TINY["layers"])
     writer.add_context_length(64)
     writer.add_embedding_length(TINY["hidden"])
@@ -159,9 +166,9 @@ def test_tiny_gguf_bfloat16(tmp_path: Path) -> None:
     assert torch.equal(q, expected)
 
 
-def test_non_llama_gguf_rejected(tmp_path: Path) -> None:
-    _write_tiny_gguf(tmp_path / "x.gguf", _tiny_hf_weights(), arch="qwen2")
-    with pytest.raises(ValueError, match="qwen2"):
+def test_gguf_of_an_unsupported_architecture_rejected(tmp_path: Path) -> None:
+    _write_tiny_gguf(tmp_path / "x.gguf", _tiny_hf_weights(), arch="falcon")
+    with pytest.raises(ValueError, match="'falcon' is not supported"):
         load_model_weights(str(tmp_path / "x.gguf"))
 
 
@@ -207,10 +214,10 @@ def _write_hf_dir(root: Path, tensors: dict[str, np.ndarray], tied: bool, sharde
 
 def test_hf_dir_of_another_architecture_rejected(tmp_path: Path) -> None:
     _write_hf_dir(tmp_path, _tiny_hf_weights(tied=True), tied=True, sharded=False)
-    config = {**_hf_config_json(tied=True), "architectures": ["Qwen2ForCausalLM"]}
+    config = {**_hf_config_json(tied=True), "architectures": ["FalconForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     for load in (load_model_config, load_model_weights):
-        with pytest.raises(ValueError, match="'Qwen2ForCausalLM' is not supported"):
+        with pytest.raises(ValueError, match="'FalconForCausalLM' is not supported"):
             load(str(tmp_path))
 
 

@@ -1,36 +1,51 @@
-"""Tests for the architecture registry: Llama resolves (lazily) to its class; any other HF or
-GGUF architecture is refused with the list of supported ones."""
+"""Tests for the architecture registry: each supported family resolves (lazily) to its
+class with the features it implies; any other HF or GGUF architecture, and mixture-of-experts
+ones by name, are refused with the list of supported ones."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedinfer.model.registry import (
+    architecture_features,
     check_architecture,
     get_model_class,
     gguf_architecture,
     supported_architectures,
 )
 
+SUPPORTED = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
-def test_llama_resolves_to_its_class() -> None:
+
+def test_supported_families_resolve_to_the_decoder() -> None:
     from pagedinfer.model.llama import LlamaForCausalLM
 
-    assert supported_architectures() == ["LlamaForCausalLM"]
-    assert get_model_class("LlamaForCausalLM") is LlamaForCausalLM
-    assert gguf_architecture("llama") == check_architecture("LlamaForCausalLM")
+    assert supported_architectures() == SUPPORTED
+    assert all(get_model_class(name) is LlamaForCausalLM for name in SUPPORTED)
+    assert [gguf_architecture(n) for n in ("llama", "qwen2", "qwen3")] == SUPPORTED
+    assert architecture_features("LlamaForCausalLM") == {}
+    assert architecture_features("Qwen2ForCausalLM") == {"qkv_bias": True}
+    assert architecture_features("Qwen3ForCausalLM") == {"qk_norm": True}
 
 
 def test_unknown_hf_architecture_lists_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match=r"'Qwen2ForCausalLM' is not supported \(supported: "):
-        get_model_class("Qwen2ForCausalLM")
-    with pytest.raises(ValueError, match="'LlamaForCausalLM'"):
+    with pytest.raises(ValueError, match=r"'FalconForCausalLM' is not supported \(supported: "):
+        get_model_class("FalconForCausalLM")
+    with pytest.raises(ValueError, match="'LlamaForCausalLM', 'Qwen2ForCausalLM'"):
         check_architecture("GPT2LMHeadModel")
 
 
-@pytest.mark.parametrize("name", ["qwen2", None])
+def test_mixture_of_experts_is_named_as_such() -> None:
+    with pytest.raises(ValueError, match="'MixtralForCausalLM' is a mixture-of-experts model"):
+        check_architecture("MixtralForCausalLM")
+    with pytest.raises(ValueError, match="'qwen3moe' is a mixture-of-experts model"):
+        gguf_architecture("qwen3moe")
+
+
+@pytest.mark.parametrize("name", ["falcon", None])
 def test_unknown_gguf_architecture_lists_the_supported_ones(name: str | None) -> None:
     with pytest.raises(
-        ValueError, match=r"GGUF architecture .* is not supported \(supported: 'llama'\)"
+        ValueError,
+        match=r"GGUF architecture .* is not supported \(supported: 'llama', 'qwen2', 'qwen3'\)",
     ):
         gguf_architecture(name)

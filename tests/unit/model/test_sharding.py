@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedinfer.model.loader import ModelArchConfig
+from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.sharding import (
     PROJECTIONS,
     TPShard,

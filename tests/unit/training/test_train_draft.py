@@ -230,7 +230,7 @@ def test_unrolled_steps_attend_as_a_causal_pass() -> None:
     # steps 2 and 3 (row t at position t + s - 1, attending to step 1's prefix of its own
     # sequence and to its own chain) must reproduce step 1's rows t + 1 and t + 2; two
     # sequences side by side, one unrolled from its third row.
-    from pagedinfer.model.loader import ModelArchConfig
+    from pagedinfer.model.arch_config import ModelArchConfig
 
     arch = ModelArchConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -1,0 +1,93 @@
+"""The architecture of a decoder-only model, as the model code needs it.
+
+`ModelArchConfig` is the one typed value that crosses from the checkpoint readers
+(`model/hf_config.py` for a Hugging Face `config.json`, `model/loader.py` for GGUF metadata)
+to the model code, the sharding plan and the worker. Its field names are Hugging Face's.
+Every field that changes the math is either implemented by the model code or refused by the
+readers with the field named; nothing in a checkpoint's config is ignored silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelArchConfig"]
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+"""Architecture -> transformers' `model_type`, for `to_hf_config_dict`."""
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Architecture hyper-parameters of a decoder-only model (HF names). The defaults are
+    Llama's; each family's reader sets the fields that differ."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    """Every token id that ends generation; the first is the model's primary EOS."""
+    architecture: str = "LlamaForCausalLM"
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2), not on o_proj."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and each key head, before RoPE (Qwen3), with weights
+    `self_attn.q_norm` and `self_attn.k_norm` of `head_dim` each."""
+
+    def __post_init__(self) -> None:
+        if not self.eos_token_ids:
+            raise ValueError("ModelArchConfig needs at least one eos token id")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def eos_token_id(self) -> int:
+        """The primary EOS id (first of `eos_token_ids`)."""
+        return self.eos_token_ids[0]
+
+    def to_hf_config_dict(self) -> dict[str, Any]:
+        """A `config.json` dict that transformers reads back to the same values (the
+        architecture's own config class)."""
+        eos: int | list[int] = (
+            self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+        )
+        return {
+            "architectures": [self.architecture],
+            "model_type": _MODEL_TYPES[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            # transformers >= 5 reads rope_parameters; older versions read rope_theta.
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }

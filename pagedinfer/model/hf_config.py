@@ -1,0 +1,207 @@
+"""A Hugging Face `config.json` -> `ModelArchConfig`, refusing what the model code lacks.
+
+Every key of `config.json` is accounted for, one of three ways:
+- *read*: it sets a `ModelArchConfig` field (hidden sizes, heads, RoPE, norms, ids...);
+- *checked*: it changes the math, and only some values are implemented (`attention_bias`
+  must be false for Llama; `rope_scaling` must be the default RoPE). Another value is
+  refused with the key and its value named;
+- *inert*: it does not change a forward pass (dropout rates, `use_cache`, label maps, the
+  transformers version, generation defaults of old configs). `INERT_KEYS` lists them.
+A key in none of these is refused too, naming it: a field this code has never seen may
+change the math (a sliding window, experts, a soft cap), and serving it wrong is worse than
+not serving it. Supporting a new field means reading or checking it here and implementing
+it in the model.
+
+Callers: `model/loader.py` (`load_model_config`, `load_model_weights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from pagedinfer.model.arch_config import ModelArchConfig
+from pagedinfer.model.registry import architecture_features, check_architecture
+
+__all__ = ["INERT_KEYS", "read_json", "hf_arch_config"]
+
+INERT_KEYS = frozenset(
+    {
+        # Bookkeeping and outputs of PretrainedConfig.
+        "_name_or_path", "architectures", "model_type", "transformers_version", "dtype",
+        "torch_dtype", "use_cache", "return_dict", "output_attentions", "output_hidden_states",
+        "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward",
+        "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
+        "cross_attention_hidden_size", "id2label", "label2id", "problem_type", "finetuning_task",
+        "prefix", "task_specific_params", "tokenizer_class", "pad_token_id", "sep_token_id",
+        "decoder_start_token_id", "output_router_logits",
+        # Training only.
+        "initializer_range", "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop",
+        "router_aux_loss_coef",
+        # Generation defaults that old configs carry (generation_config.json's job; the
+        # request's sampling parameters decide here).
+        "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+        "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+        "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+        "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+        "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+        "suppress_tokens", "begin_suppress_tokens",
+        # Llama's `pretraining_tp` splits the projections' matmuls into slices that are
+        # summed: the same product, only a different summation order.
+        "pretraining_tp",
+    }
+)  # fmt: skip
+
+_READ_KEYS = frozenset(
+    {
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+        "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
+        "tie_word_embeddings", "bos_token_id", "eos_token_id", "hidden_act",
+    }
+)  # fmt: skip
+
+_ROPE_NO_OP: dict[str, object] = {"partial_rotary_factor": 1.0}
+"""RoPE parameters whose value here changes nothing."""
+
+_Check = Callable[[Any], bool]
+"""Whether a value of a checked key is one the model code implements."""
+
+
+def _false(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _all_full_attention(value: Any) -> bool:
+    return value is None or all(t == "full_attention" for t in value)
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+_NO_SLIDING_WINDOW: dict[str, _Check] = {
+    # Qwen2/3 slide only where `use_sliding_window` is set (on the layers `layer_types`
+    # marks); `sliding_window` and `max_window_layers` matter only then.
+    "use_sliding_window": _false,
+    "layer_types": _all_full_attention,
+    "sliding_window": _any,
+    "max_window_layers": _any,
+}
+
+_CHECKED: dict[str, dict[str, _Check]] = {
+    "LlamaForCausalLM": {
+        "attention_bias": _false,
+        "mlp_bias": _false,
+        "hidden_act": lambda v: v == "silu",
+    },
+    "Qwen2ForCausalLM": {"hidden_act": lambda v: v == "silu", **_NO_SLIDING_WINDOW},
+    "Qwen3ForCausalLM": {
+        "attention_bias": _false,
+        "hidden_act": lambda v: v == "silu",
+        **_NO_SLIDING_WINDOW,
+    },
+}
+"""architecture -> {config key: accepted values}: the keys its model code implements for
+some values only (or, `_any`, that matter only with another key's refused value)."""
+
+
+def read_json(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    """The RoPE base; any scaling (in `rope_parameters` or the older `rope_scaling`: both
+    are checked when both are present) is refused until the model code implements it."""
+    theta = cfg.get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"config.json: {key} {rope} (rope_type {rope_type!r}) is not supported"
+            )
+        for name, value in rope.items():
+            if name not in ("rope_type", "type", "rope_theta") and value != _ROPE_NO_OP.get(name):
+                raise ValueError(f"config.json: {key}.{name}={value!r} is not supported")
+        if theta is None:
+            theta = rope.get("rope_theta")
+    return float(10000.0 if theta is None else theta)
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    """`architectures[0]`; a config without it is taken as Llama only if its `model_type`
+    says so (or is absent, as in hand-written configs)."""
+    if cfg.get("architectures"):
+        return str(cfg["architectures"][0])
+    model_type = cfg.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(
+            f"config.json has no 'architectures' and model_type {model_type!r}: name the "
+            "model class in 'architectures'"
+        )
+    return "LlamaForCausalLM"
+
+
+def _check_keys(cfg: dict[str, Any], architecture: str) -> None:
+    checked = _CHECKED.get(architecture, {})
+    for key, value in cfg.items():
+        if key in checked:
+            if not checked[key](value):
+                raise ValueError(
+                    f"config.json: {key}={value!r} is not supported for {architecture}"
+                )
+        elif key not in _READ_KEYS and key not in INERT_KEYS:
+            raise ValueError(
+                f"config.json: field {key!r} (= {value!r}) is not supported for "
+                f"{architecture}: pagedinfer does not implement it, and it may change the "
+                "model's outputs"
+            )
+
+
+def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
+    """The config of a Hugging Face model directory (`config.json`, plus the extra stop ids
+    of `generation_config.json`); tied embeddings if declared or if there is no lm_head.
+    ValueError naming the architecture or the first key the model code does not implement."""
+    cfg = read_json(os.path.join(model_dir, "config.json"))
+    architecture = check_architecture(_architecture(cfg))
+    _check_keys(cfg, architecture)
+    hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    rope_theta = _rope_theta(cfg)
+    # Stop ids: config.json's EOS first, then any extra ones generation_config.json lists.
+    eos_ids = list(_as_id_tuple(cfg.get("eos_token_id")))
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        extra = _as_id_tuple(read_json(gen_path).get("eos_token_id"))
+        eos_ids += [i for i in extra if i not in eos_ids]
+    tie = bool(cfg.get("tie_word_embeddings", False)) or not has_lm_head
+    config = ModelArchConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=tie,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos_ids),
+        architecture=architecture,
+        hidden_act=cfg.get("hidden_act", "silu"),
+    )
+    return dataclasses.replace(config, **architecture_features(architecture))

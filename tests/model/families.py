@@ -1,0 +1,170 @@
+"""Tiny random-weight checkpoints of each model family, built with transformers' own classes.
+
+`make_family_dir(family, path)` builds the family's `*ForCausalLM` from a small config (odd
+head counts where the family allows, GQA, the family's own features: QKV biases, QK-norm...),
+gives it random weights from a seed, and saves it as a Hugging Face directory with a
+byte-level tokenizer. `convert_to_gguf(hf_dir, path)` writes the same weights as a GGUF
+file under llama.cpp's names (the `gguf` package's tensor-name map and metadata keys, and
+llama.cpp's Q/K row interleaving for its `llama` architecture), in float32.
+
+The reference for every test is transformers' forward on the saved directory
+(`reference_greedy`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.model.tiny import VOCAB, _tokenizer_json
+
+__all__ = ["FAMILIES", "convert_to_gguf", "make_family_dir", "reference_greedy"]
+
+_BASE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"config": "LlamaConfig", "model": "LlamaForCausalLM", "gguf_arch": "llama",
+              "rope_theta": 10000.0},
+    "qwen2": {"config": "Qwen2Config", "model": "Qwen2ForCausalLM", "gguf_arch": "qwen2",
+              "rope_theta": 1000000.0},
+    "qwen3": {"config": "Qwen3Config", "model": "Qwen3ForCausalLM", "gguf_arch": "qwen3",
+              "rope_theta": 1000000.0},
+}  # fmt: skip
+"""family -> transformers classes, llama.cpp architecture and its own config values."""
+
+
+def _config(family: str) -> Any:
+    import transformers
+
+    spec = FAMILIES[family]
+    kwargs = {
+        **_BASE,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec["rope_theta"]},
+    }
+    if family == "qwen2":
+        kwargs.pop("head_dim")  # Qwen2 derives it: hidden / heads
+        kwargs["hidden_size"] = _BASE["num_attention_heads"] * _BASE["head_dim"]
+    config = getattr(transformers, spec["config"])(**kwargs)
+    config.architectures = [spec["model"]]
+    return config
+
+
+def make_family_dir(family: str, path: str, seed: int = 0) -> str:
+    """A tiny `family` checkpoint saved in `path` (a Hugging Face directory), float32."""
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family]["model"])(_config(family))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            elif "embed_tokens" in name:
+                param.copy_(0.5 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump(_tokenizer_json(), f)
+    return path
+
+
+def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """HF rotate-half rows -> llama.cpp's interleaved rows (its converter's transform)."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_to_gguf(hf_dir: str, path: str) -> str:
+    """The checkpoint of `hf_dir` as a float32 GGUF file at `path` (llama.cpp's names)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from pagedinfer.tokenizer import _byte_alphabet
+
+    cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    family = next(f for f, s in FAMILIES.items() if s["model"] == cfg["architectures"][0])
+    arch_name = FAMILIES[family]["gguf_arch"]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    n_layers = cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    names = gguf.get_tensor_name_map(arch, n_layers)
+
+    writer = gguf.GGUFWriter(path, arch_name)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([_byte_alphabet()[b] for b in range(256)])
+    writer.add_token_types([1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_add_bos_token(False)
+
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for hf_name, tensor in tensors.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"no llama.cpp name for {hf_name}")
+        if arch_name == "llama" and hf_name.endswith("q_proj.weight"):
+            tensor = _permute_like_llama_cpp(tensor, heads)
+        elif arch_name == "llama" and hf_name.endswith("k_proj.weight"):
+            tensor = _permute_like_llama_cpp(tensor, kv_heads)
+        writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def reference_greedy(hf_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (float32, one at a time)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # run the full length, as ignore_eos
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+            out.append(y[0, len(ids) :].tolist())
+    return out

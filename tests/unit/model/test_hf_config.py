@@ -1,0 +1,118 @@
+"""What a checkpoint's config may hold: every key is read, checked or known inert; the rest,
+and the architectures the engine does not run, are refused with the key named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pagedinfer.model.hf_config import hf_arch_config
+from pagedinfer.model.loader import load_model_config, load_model_weights
+from tests.unit.model.test_loader import TINY, _write_tiny_gguf
+
+transformers = pytest.importorskip("transformers", reason="the configs are transformers' own")
+
+
+def _save(config: Any, root: Path) -> str:
+    config.save_pretrained(str(root))
+    return str(root)
+
+
+def _tiny(cls: type, **overrides: Any) -> Any:
+    kwargs = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    config = cls(**{**kwargs, **overrides})
+    config.architectures = [
+        cls.__name__.replace("TextConfig", "Config")[: -len("Config")] + "ForCausalLM"
+    ]
+    return config
+
+
+def test_transformers_llama_config_is_read_whole(tmp_path: Path) -> None:
+    path = _save(_tiny(transformers.LlamaConfig, rope_theta=5000.0, head_dim=32), tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert {"attention_bias", "mlp_bias", "pretraining_tp", "initializer_range"} <= set(saved)
+    config = hf_arch_config(path, has_lm_head=True)
+    assert (config.num_hidden_layers, config.head_dim, config.rope_theta) == (2, 32, 5000.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"sliding_window": 24}, "field 'sliding_window'"),
+        ({"attn_logit_softcapping": 50.0}, "field 'attn_logit_softcapping'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "field 'quantization_config'"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+            "rope_type 'llama3'",
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor=0.5",
+        ),
+    ],
+)
+def test_llama_fields_the_model_lacks_are_refused_by_name(
+    tmp_path: Path, change: dict[str, Any], named: str
+) -> None:
+    _save(_tiny(transformers.LlamaConfig), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        hf_arch_config(str(tmp_path), has_lm_head=True)
+
+
+def test_mistral_with_a_sliding_window_is_refused(tmp_path: Path) -> None:
+    # It used to load as Llama and generate wrong tokens: the window was ignored.
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(_tiny(transformers.MistralConfig, sliding_window=24))
+    model.save_pretrained(str(tmp_path))
+    for load in (load_model_config, lambda p: load_model_weights(p, torch.float32)):
+        with pytest.raises(ValueError, match="'MistralForCausalLM' is not supported"):
+            load(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "cls", [transformers.MixtralConfig, transformers.Qwen2MoeConfig, transformers.Qwen3MoeConfig]
+)
+def test_mixture_of_experts_is_refused_as_such(tmp_path: Path, cls: type) -> None:
+    path = _save(_tiny(cls), tmp_path)
+    with pytest.raises(ValueError, match="mixture-of-experts model.*supported: 'LlamaForCausalLM'"):
+        hf_arch_config(path, has_lm_head=True)
+
+
+def _tiny_gguf_weights() -> dict[str, np.ndarray]:
+    from tests.unit.model.test_loader import _tiny_hf_weights
+
+    return _tiny_hf_weights(tied=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("expert_count", 8), ("attention.sliding_window", 24), ("rope.scaling.factor", 8.0)],
+)
+def test_gguf_metadata_the_model_lacks_is_refused_by_name(
+    tmp_path: Path, key: str, value: Any
+) -> None:
+    path = tmp_path / "m.gguf"
+    _write_tiny_gguf(path, _tiny_gguf_weights(), extra={f"llama.{key}": value})
+    with pytest.raises(ValueError, match=f"GGUF metadata llama.{key} = "):
+        load_model_config(str(path))
+
+
+def test_tiny_gguf_without_extras_loads(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    _write_tiny_gguf(path, _tiny_gguf_weights())
+    assert load_model_config(str(path)).num_hidden_layers == TINY["layers"]
