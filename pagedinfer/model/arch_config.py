@@ -9,10 +9,11 @@ readers with the field named; nothing in a checkpoint's config is ignored silent
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ModelArchConfig"]
+__all__ = ["ROPE_SCALING_KEYS", "ModelArchConfig", "RopeScaling"]
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -20,6 +21,47 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 """Architecture -> transformers' `model_type`, for `to_hf_config_dict`."""
+
+
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+        "mscale_all_dim", "attention_factor", "truncate",
+    ),
+}  # fmt: skip
+"""The `rope_parameters` keys of each implemented RoPE type (besides `rope_type` and
+`rope_theta`): the fields of `RopeScaling` it uses."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are rescaled for a longer context (Hugging Face's
+    `rope_parameters` names); `model/rotary.py` turns it into the tables."""
+
+    rope_type: Literal["linear", "llama3", "yarn"]
+    factor: float
+    original_max_position_embeddings: int | None = None
+    """The pre-training context (llama3, yarn)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original / low_freq_factor are divided by `factor`."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original / high_freq_factor are kept."""
+    beta_fast: float = 32.0
+    """yarn: the rotation count that bounds the extrapolated dimensions."""
+    beta_slow: float = 1.0
+    """yarn: the rotation count that bounds the interpolated dimensions."""
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    """yarn: the factor cos and sin are scaled by; None derives it from `factor` (and
+    `mscale` / `mscale_all_dim`)."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions."""
+    freq_factors: tuple[float, ...] | None = None
+    """A GGUF file's `rope_freqs` tensor: each frequency divided by its factor (llama.cpp's
+    form of llama3 scaling). Set instead of the fields above."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +87,8 @@ class ModelArchConfig:
     hidden_act: str = "silu"
     qkv_bias: bool = False
     """Biases on the q, k and v projections (Qwen2), not on o_proj."""
+    rope_scaling: RopeScaling | None = None
+    """None: plain RoPE with base `rope_theta`."""
     qk_norm: bool = False
     """An RMSNorm over each query and each key head, before RoPE (Qwen3), with weights
     `self_attn.q_norm` and `self_attn.k_norm` of `head_dim` each."""
@@ -83,7 +127,7 @@ class ModelArchConfig:
             "rms_norm_eps": self.rms_norm_eps,
             # transformers >= 5 reads rope_parameters; older versions read rope_theta.
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self._rope_parameters(),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -91,3 +135,15 @@ class ModelArchConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+    def _rope_parameters(self) -> dict[str, Any]:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return {"rope_type": "default", "rope_theta": self.rope_theta}
+        if scaling.freq_factors is not None:
+            raise ValueError("RoPE frequency factors from a GGUF file have no HF config form")
+        fields = dataclasses.asdict(scaling)
+        params = {
+            k: fields[k] for k in ROPE_SCALING_KEYS[scaling.rope_type] if fields[k] is not None
+        }
+        return {"rope_type": scaling.rope_type, **params, "rope_theta": self.rope_theta}

@@ -3,8 +3,8 @@
 Every key of `config.json` is accounted for, one of three ways:
 - *read*: it sets a `ModelArchConfig` field (hidden sizes, heads, RoPE, norms, ids...);
 - *checked*: it changes the math, and only some values are implemented (`attention_bias`
-  must be false for Llama; `rope_scaling` must be the default RoPE). Another value is
-  refused with the key and its value named;
+  must be false for Llama; RoPE may be plain or scaled by `linear`, `llama3` or `yarn`).
+  Another value is refused with the key and its value named;
 - *inert*: it does not change a forward pass (dropout rates, `use_cache`, label maps, the
   transformers version, generation defaults of old configs). `INERT_KEYS` lists them.
 A key in none of these is refused too, naming it: a field this code has never seen may
@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pagedinfer.model.arch_config import ModelArchConfig
+from pagedinfer.model.arch_config import ROPE_SCALING_KEYS, ModelArchConfig, RopeScaling
 from pagedinfer.model.registry import architecture_features, check_architecture
 
 __all__ = ["INERT_KEYS", "read_json", "hf_arch_config"]
@@ -122,23 +122,34 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    """The RoPE base; any scaling (in `rope_parameters` or the older `rope_scaling`: both
-    are checked when both are present) is refused until the model code implements it."""
+def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(RoPE base, scaling) from `rope_parameters` or the older `rope_scaling` (both are
+    checked when both are present). A RoPE type or key the code does not implement is
+    refused by name."""
     theta = cfg.get("rope_theta")
+    scaling: RopeScaling | None = None
     for key in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(key) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type != "default" and rope_type not in ROPE_SCALING_KEYS:
             raise ValueError(
-                f"config.json: {key} {rope} (rope_type {rope_type!r}) is not supported"
+                f"config.json: {key} {rope} (rope_type {rope_type!r}) is not supported "
+                f"(supported: default, {', '.join(ROPE_SCALING_KEYS)})"
             )
+        allowed = ROPE_SCALING_KEYS.get(rope_type, ())
         for name, value in rope.items():
-            if name not in ("rope_type", "type", "rope_theta") and value != _ROPE_NO_OP.get(name):
+            if name in ("rope_type", "type", "rope_theta") or name in allowed:
+                continue
+            if value != _ROPE_NO_OP.get(name):
                 raise ValueError(f"config.json: {key}.{name}={value!r} is not supported")
         if theta is None:
             theta = rope.get("rope_theta")
-    return float(10000.0 if theta is None else theta)
+        if rope_type != "default" and scaling is None:
+            fields = {name: rope[name] for name in allowed if rope.get(name) is not None}
+            if "factor" not in fields:
+                raise ValueError(f"config.json: {key} of type {rope_type!r} lacks 'factor'")
+            scaling = RopeScaling(rope_type=rope_type, **fields)
+    return float(10000.0 if theta is None else theta), scaling
 
 
 def _architecture(cfg: dict[str, Any]) -> str:
@@ -179,7 +190,7 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
     architecture = check_architecture(_architecture(cfg))
     _check_keys(cfg, architecture)
     hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    rope_theta = _rope_theta(cfg)
+    rope_theta, rope_scaling = _rope(cfg)
     # Stop ids: config.json's EOS first, then any extra ones generation_config.json lists.
     eos_ids = list(_as_id_tuple(cfg.get("eos_token_id")))
     gen_path = os.path.join(model_dir, "generation_config.json")
@@ -197,6 +208,7 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
         head_dim=int(cfg.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=tie,
         bos_token_id=cfg.get("bos_token_id"),

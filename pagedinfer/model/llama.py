@@ -45,6 +45,7 @@ from pagedinfer.distributed.parallel_state import (
     get_tp_group,
 )
 from pagedinfer.model.linear import Linear
+from pagedinfer.model.rotary import Rope, RotaryEmbedding, apply_rotary
 from pagedinfer.model.sharding import TPShard
 from pagedinfer.model.weights import install_quantized, install_weights
 
@@ -102,51 +103,6 @@ class HeadRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
         return self.weight * normed
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with cos/sin tables precomputed for every position."""
-
-    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
-        super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (base**exponents)  # [head_dim / 2]
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for this step's positions, [num_tokens, 1, head_dim]; computed once per
-        forward pass and shared by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-class Rope:
-    """One step's rotary inputs, shared by every layer: the positions, and the per-token
-    cos/sin rows gathered on first use (the torch path; the fused kernel reads the full
-    tables by position)."""
-
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
-        self.rotary = rotary
-        self.positions = positions
-        self.dtype = dtype
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tables is None:
-            self._tables = self.rotary.tables(self.positions, self.dtype)
-        return self._tables
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim] (q and k heads may be stacked together)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
@@ -319,9 +275,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(self.layer_start, self.layer_end)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta
-        )
+        self.rotary = RotaryEmbedding.of(config, config.max_position_embeddings)
         self.lm_head_quant: QuantizedWeight | None = None
         self.lm_head_quant_max_rows = 0
         self.lm_head: nn.Linear | None = None

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pagedinfer.gguf_metadata import find_default_model
-from pagedinfer.model.arch_config import ModelArchConfig
+from pagedinfer.model.arch_config import ModelArchConfig, RopeScaling
 from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.hf_config import hf_arch_config, read_json
 from pagedinfer.model.registry import architecture_features, gguf_architecture
@@ -79,12 +79,15 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w).reshape(rows, cols)  # [num_heads * head_dim, cols]
 
 
+ROPE_FREQS = "rope_freqs.weight"
+"""llama.cpp's tensor of RoPE frequency factors."""
+
 _GGUF_READ_KEYS = frozenset(
     {
         "context_length", "embedding_length", "block_count", "feed_forward_length",
         "attention.head_count", "attention.head_count_kv", "attention.key_length",
         "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
-        "rope.dimension_count", "rope.scaling.type", "vocab_size",
+        "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "vocab_size",
     }
 )  # fmt: skip
 """The `{arch}.` metadata keys the GGUF reader reads or checks; any other `{arch}.` key
@@ -99,6 +102,32 @@ def _check_gguf_keys(meta: dict[str, Any], arch: str) -> None:
                 f"GGUF metadata {name} = {meta[name]!r} is not supported: pagedinfer does not "
                 "implement it, and it may change the model's outputs"
             )
+
+
+def _gguf_rope_scaling(gguf: GGUFFile, arch: str) -> RopeScaling | None:
+    """llama.cpp's forms of RoPE scaling: a `rope_freqs` tensor of per-frequency factors
+    (how its converter writes Llama 3.1's scaling) or `rope.scaling.type` "linear". Other
+    types are refused by name."""
+    kind = gguf.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if ROPE_FREQS in gguf:
+        if kind not in ("none", None):
+            raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} beside {ROPE_FREQS}")
+        factors = gguf.load_tensor(ROPE_FREQS).reshape(-1)
+        return RopeScaling("llama3", factor=1.0, freq_factors=tuple(float(f) for f in factors))
+    if kind in ("none", None):
+        factor = gguf.metadata.get(f"{arch}.rope.scaling.factor")
+        if factor not in (None, 1.0):
+            raise ValueError(
+                f"GGUF metadata {arch}.rope.scaling.factor = {factor!r} is not supported "
+                "without a rope.scaling.type"
+            )
+        return None
+    if kind == "linear":
+        factor = gguf.metadata.get(f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.rope.scaling.factor")
+        return RopeScaling("linear", factor=float(factor))
+    raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported")
 
 
 def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
@@ -121,9 +150,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     rope_dim = int(key("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim})")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in gguf:
-        raise ValueError(f"rope scaling ({scaling}) is not supported")
+    rope_scaling = _gguf_rope_scaling(gguf, arch)
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
         vocab = gguf.tensor_shape("token_embd.weight")[0]
@@ -141,6 +168,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in gguf,
         bos_token_id=None if bos is None else int(bos),
@@ -160,6 +188,8 @@ def _load_gguf(
     config = _gguf_config(gguf)
     weights: dict[str, torch.Tensor] = {}
     for name in gguf.tensor_names:
+        if name == ROPE_FREQS:
+            continue  # read into the config (`_gguf_rope_scaling`)
         hf_name = gguf_to_hf_name(name)
         if wanted is not None and not wanted(hf_name):
             continue
@@ -191,6 +221,8 @@ def load_quant_blocks(
     gguf = GGUFFile(resolved)
     out: dict[str, QuantBlocks] = {}
     for name in gguf.tensor_names:
+        if name == ROPE_FREQS:
+            continue  # read into the config (`_gguf_rope_scaling`)
         hf_name = gguf_to_hf_name(name)
         if wanted is not None and not wanted(hf_name):
             continue

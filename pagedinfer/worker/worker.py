@@ -171,9 +171,8 @@ class Worker:
         model_class = get_model_class(arch.architecture)
         with torch.device("meta"):
             model = model_class(arch, backend)
-        model.rotary = type(model.rotary)(
-            arch.head_dim, max(arch.max_position_embeddings, max_position), arch.rope_theta
-        )  # RoPE tables: real buffers, computed here
+        # RoPE tables: real buffers, computed here.
+        model.rotary = type(model.rotary).of(arch, max(arch.max_position_embeddings, max_position))
         model.load_weights(state_dict)
         del state_dict
         max_rows = self.config.model_config.quant_max_tokens

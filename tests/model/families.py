@@ -14,6 +14,7 @@ The reference for every test is transformers' forward on the saved directory
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -47,6 +48,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
               "rope_theta": 1000000.0},
     "qwen3": {"config": "Qwen3Config", "model": "Qwen3ForCausalLM", "gguf_arch": "qwen3",
               "rope_theta": 1000000.0},
+    # Llama 3.1's RoPE scaling; the 64-token original context puts the tiny model's 8
+    # frequencies in all three bands (kept, blended, divided).
+    "llama3": {"config": "LlamaConfig", "model": "LlamaForCausalLM", "gguf_arch": "llama",
+               "rope_theta": 500000.0,
+               "rope": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    # Qwen2.5's long-context YaRN; llama.cpp's YaRN differs from transformers', so the GGUF
+    # reader refuses it and this variant is tested from its Hugging Face directory only.
+    "qwen2-yarn": {"config": "Qwen2Config", "model": "Qwen2ForCausalLM", "gguf_arch": None,
+                   "rope_theta": 1000000.0,
+                   "rope": {"rope_type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 64}},
 }  # fmt: skip
 """family -> transformers classes, llama.cpp architecture and its own config values."""
 
@@ -55,11 +68,9 @@ def _config(family: str) -> Any:
     import transformers
 
     spec = FAMILIES[family]
-    kwargs = {
-        **_BASE,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec["rope_theta"]},
-    }
-    if family == "qwen2":
+    rope = {**spec.get("rope", {"rope_type": "default"}), "rope_theta": spec["rope_theta"]}
+    kwargs = {**_BASE, "rope_parameters": rope}
+    if spec["config"] == "Qwen2Config":
         kwargs.pop("head_dim")  # Qwen2 derives it: hidden / heads
         kwargs["hidden_size"] = _BASE["num_attention_heads"] * _BASE["head_dim"]
     config = getattr(transformers, spec["config"])(**kwargs)
@@ -97,6 +108,26 @@ def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, rows // num_heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama3_factors(head_dim: int, rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for Llama 3.1 scaling: per frequency, 1 (short
+    wavelengths), `factor` (long ones) or the blend between (its converter's formula)."""
+    base = rope["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def convert_to_gguf(hf_dir: str, path: str) -> str:
     """The checkpoint of `hf_dir` as a float32 GGUF file at `path` (llama.cpp's names)."""
     import gguf
@@ -105,8 +136,8 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
     from pagedinfer.tokenizer import _byte_alphabet
 
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
-    family = next(f for f, s in FAMILIES.items() if s["model"] == cfg["architectures"][0])
-    arch_name = FAMILIES[family]["gguf_arch"]
+    arch_name = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}[cfg["architectures"][0]]  # fmt: skip
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     n_layers = cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -123,7 +154,12 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    rope = cfg["rope_parameters"]
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, rope))
+    elif rope["rope_type"] != "default":
+        raise ValueError(f"no GGUF form here for RoPE type {rope['rope_type']!r}")
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")

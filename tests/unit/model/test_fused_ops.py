@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedinfer.kernels.cpu import load_cpu_kernels
-from pagedinfer.model.llama import RotaryEmbedding, apply_rotary
+from pagedinfer.model.rotary import RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # One rounding of a float32 result to the dtype (relative), with a little slack; the

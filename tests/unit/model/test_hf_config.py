@@ -53,10 +53,14 @@ def test_transformers_llama_config_is_read_whole(tmp_path: Path) -> None:
         ({"attn_logit_softcapping": 50.0}, "field 'attn_logit_softcapping'"),
         ({"quantization_config": {"quant_method": "awq"}}, "field 'quantization_config'"),
         (
-            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
-            "rope_type 'llama3'",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 1e4}},
+            "rope_type 'dynamic'",
         ),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_scaling"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "beta_fast": 8}},
+            "rope_parameters.beta_fast=8",
+        ),
         (
             {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
             "partial_rotary_factor=0.5",
