@@ -41,7 +41,24 @@ if TYPE_CHECKING:
 
     from pagedinfer.model.gguf import GGUFFile
 
-__all__ = ["Tokenizer"]
+__all__ = ["NO_CHAT_TEMPLATE", "Tokenizer", "read_chat_template"]
+
+NO_CHAT_TEMPLATE = (
+    "The model has no chat template (a base model serves completions): give one with "
+    "--chat-template for `pagedinfer serve`, or chat_template= for LLM.chat"
+)
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`'s value: a file's contents, or the template itself (as vLLM takes
+    it). ValueError for a value that is neither an existing file nor a jinja template."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a jinja template")
+
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -261,16 +278,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the model's jinja chat template.
+        """Render `messages` with `chat_template` (a jinja template), else the model's own.
 
         The prompt already carries every special token the template writes, so `tokenize=True`
         encodes it without adding BOS/EOS again. Extra keyword arguments reach the template.
+        ValueError, naming the options that give one, when there is no template (a base
+        model: it serves completions).
         """
-        if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template")
-        text = _compile_template(self.chat_template).render(
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError(NO_CHAT_TEMPLATE)
+        text = _compile_template(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.token_text(self.bos_token_id) or "",

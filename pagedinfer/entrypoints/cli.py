@@ -110,6 +110,12 @@ def _add_serving_parsers(sub: Any) -> None:
         "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes."
     )
     serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="A jinja chat template, or a file holding one, used instead of the model's own "
+        "(needed for chat requests to a model without one, such as a base model).",
+    )
+    serve.add_argument(
         "--served-model-name", default=None, help="Model name in the API (default: the file's)."
     )
     add_engine_args(serve)
@@ -345,14 +351,20 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     from pagedinfer.engine.async_llm import AsyncLLM
     from pagedinfer.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, build_app
+    from pagedinfer.tokenizer import read_chat_template
 
+    try:
+        chat_template = None if ns.chat_template is None else read_chat_template(ns.chat_template)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     engine = AsyncLLM.from_options(**engine_kwargs(ns))
     name = ns.served_model_name or (
         os.path.splitext(os.path.basename(ns.model.rstrip("/")))[0]
         if ns.model
         else DEFAULT_MODEL_NAME
     )
-    app = build_app(engine, name, ns.api_key, shutdown_engine=True)
+    app = build_app(engine, name, ns.api_key, shutdown_engine=True, chat_template=chat_template)
     curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"
         + (f" -H 'Authorization: Bearer {ns.api_key}'" if ns.api_key else "")

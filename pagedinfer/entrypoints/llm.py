@@ -86,8 +86,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations."""
+        """Generate replies to one conversation or a list of conversations, rendered with
+        `chat_template` (a jinja template) or else the model's own."""
         conversations: list[list[dict[str, str]]]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -97,7 +99,10 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             ids = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                chat_template=chat_template,
             )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -249,3 +249,20 @@ def test_stats(llm: LLM) -> None:
     stats = llm.get_stats()
     assert stats["num_generation_tokens"] >= 6 and stats["num_prompt_tokens"] > 0
     assert stats["num_running_reqs"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_chat_template_for_a_model_without_one(tmp_path) -> None:
+    """The tiny model's tokenizer has no chat template, like a base model: `LLM.chat` names
+    `chat_template=`, and with one it renders the conversation with it."""
+    from tests.model.tiny import make_tiny_llama_dir
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(make_tiny_llama_dir(str(tmp_path / "tiny")), dtype="float32") as tiny:
+        conversation = [{"role": "user", "content": "hi"}]
+        with pytest.raises(ValueError, match="chat_template= for LLM.chat"):
+            tiny.chat(conversation, params, use_tqdm=False)
+        template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        (out,) = tiny.chat(conversation, params, use_tqdm=False, chat_template=template)
+        (plain,) = tiny.generate("<user>hi", params, use_tqdm=False)
+    assert out.prompt_token_ids == plain.prompt_token_ids
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids

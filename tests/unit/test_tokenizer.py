@@ -197,3 +197,31 @@ def test_tiny_gguf_pre_tokenizer_by_name(tmp_path: Path) -> None:
     assert pieces == ["12345", "Ġok"]  # GPT-2 regex: a digit run stays whole
     pieces = [p for p, _ in llama3.backend.pre_tokenizer.pre_tokenize_str("12345 ok")]
     assert pieces == ["123", "45", "Ġok"]  # llama3 regex: digits in groups of up to three
+
+
+def test_chat_template_given_replaces_a_missing_one(tmp_path: Path) -> None:
+    from pagedinfer.tokenizer import NO_CHAT_TEMPLATE
+
+    tok = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "t.gguf", "default", add_bos=False))
+    assert tok.chat_template is None  # a base model's file carries none
+    messages = [{"role": "user", "content": "12"}]
+    with pytest.raises(ValueError, match="--chat-template") as excinfo:
+        tok.apply_chat_template(messages)
+    assert str(excinfo.value) == NO_CHAT_TEMPLATE
+    template = "{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
+    assert tok.apply_chat_template(messages, chat_template=template) == "user=12;"
+    assert (
+        tok.apply_chat_template(messages, chat_template=template, tokenize=True)
+        == [tok.encode("user=12;", add_special_tokens=False)][0]
+    )
+
+
+def test_read_chat_template_takes_a_file_or_the_template(tmp_path: Path) -> None:
+    from pagedinfer.tokenizer import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert read_chat_template("{% if x %}y{% endif %}") == "{% if x %}y{% endif %}"
+    with pytest.raises(ValueError, match="no such file, and not a jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

@@ -89,7 +89,10 @@ class OpenAIServingChat(OpenAIServing):
             prompt_ids = cast(
                 "list[int]",
                 self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=request.add_generation_prompt, tokenize=True
+                    messages,
+                    add_generation_prompt=request.add_generation_prompt,
+                    tokenize=True,
+                    chat_template=self.chat_template,
                 ),
             )
             top_n = request.top_logprobs or 0

@@ -299,10 +299,14 @@ async def watched(raw_request: Request, awaitable: Awaitable[T]) -> T | Response
 class OpenAIServing:
     """One endpoint's handler over the engine client: model-name checks and streaming."""
 
-    def __init__(self, engine_client: EngineClient, model_name: str) -> None:
+    def __init__(
+        self, engine_client: EngineClient, model_name: str, chat_template: str | None = None
+    ) -> None:
         self.engine_client = engine_client
         self.model_name = model_name
         self.tokenizer = engine_client.tokenizer
+        self.chat_template = chat_template
+        """`--chat-template`: used instead of the model's own for chat requests."""
 
     def check_model(self, name: str | None) -> JSONResponse | None:
         """A 404 for a request naming another model than the one served, else None."""

@@ -45,7 +45,10 @@ class OpenAIServingTokenization(OpenAIServing):
                 ids = cast(
                     "list[int]",
                     self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=request.add_generation_prompt, tokenize=True
+                        messages,
+                        add_generation_prompt=request.add_generation_prompt,
+                        tokenize=True,
+                        chat_template=self.chat_template,
                     ),
                 )
             else:

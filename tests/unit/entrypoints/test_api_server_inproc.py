@@ -23,6 +23,7 @@ from pagedinfer.engine.core_client import EngineDeadError
 from pagedinfer.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, build_app
 from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+from pagedinfer.tokenizer import NO_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,10 +45,21 @@ class FakeTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [f"<{chr(i)}>" for i in ids]
 
+    chat_template: str | None = "role: content"
+    """The model's own template (None: a base model without one)."""
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize=False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        chat_template: str | None = None,
     ) -> str | list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        """`role: content` lines; a `chat_template` given is written first, in brackets."""
+        if chat_template is None and self.chat_template is None:
+            raise ValueError(NO_CHAT_TEMPLATE)
+        text = f"[{chat_template}]" if chat_template is not None else ""
+        text += "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         text += "assistant: " if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 
@@ -77,6 +89,7 @@ class FakeEngine:
         self.stat_loggers: list[Any] = []
         self.dead = False
         self.params: dict[str, SamplingParams] = {}
+        self.prompts: dict[str, list[int]] = {}
         self.aborted: list[str] = []
         self.num_cached_tokens = 0
 
@@ -98,6 +111,7 @@ class FakeEngine:
         _, text = self.input_processor.process(request_id, prompt, params)
         ids = prompt.get("prompt_token_ids") or [ord(ch) for ch in text]
         self.params[request_id] = params
+        self.prompts[request_id] = ids
         said = "".join(chr(i) for i in ids)
         replies = [self._reply(j, said, params) for j in range(params.n)]
         finished = False
@@ -425,3 +439,29 @@ def test_dead_engine(client: TestClient, engine: FakeEngine) -> None:
 def test_build_app_registers_its_stat_logger(engine: FakeEngine) -> None:
     build_app(engine)
     assert len(engine.stat_loggers) == 1
+
+
+def test_a_model_without_a_chat_template_serves_completions_only(engine: FakeEngine) -> None:
+    engine.tokenizer.chat_template = None
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(build_app(engine, MODEL, KEY), headers=AUTH) as client:
+        resp = client.post("/v1/chat/completions", json=chat)
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert "--chat-template" in error["message"] and error["param"] == "messages"
+        tokenize = client.post("/tokenize", json={"model": MODEL, "messages": chat["messages"]})
+        assert tokenize.status_code == 400 and "--chat-template" in tokenize.text
+        done = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert done.status_code == 200
+
+
+def test_chat_template_given_to_the_server_replaces_the_models(engine: FakeEngine) -> None:
+    engine.tokenizer.chat_template = None
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    app = build_app(engine, MODEL, KEY, chat_template="T")
+    with TestClient(app, headers=AUTH) as client:
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        tokens = client.post("/tokenize", json={"model": MODEL, "messages": chat["messages"]})
+    (ids,) = engine.prompts.values()
+    assert "".join(map(chr, ids)) == "[T]user: hi\nassistant: "
+    assert tokens.json()["tokens"] == ids
