@@ -17,7 +17,7 @@ import socket
 
 from pagedinfer import envs
 
-__all__ = ["connect_to_cluster", "first_line", "ray_is_connected"]
+__all__ = ["connect_to_cluster", "first_line", "placement_failure", "ray_is_connected"]
 
 # A TCP connect to the cluster's GCS before ray.init, which retries an unreachable address
 # for minutes instead of failing.
@@ -28,6 +28,22 @@ def first_line(exc: BaseException) -> str:
     """An exception's first line (a Ray error's message carries the remote traceback)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def placement_failure(
+    what: str, per_bundle: str, strategy: str, timeout_s: float, lower: str
+) -> str:
+    """The error for a placement group the cluster could not place within `timeout_s`: what
+    it asked for, what the cluster has, and the two ways out (more nodes, or lowering
+    `lower`)."""
+    import ray
+
+    return (
+        f"The Ray cluster could not place {what} ({per_bundle}, strategy {strategy}) within "
+        f"{timeout_s:g} s: it has {ray.available_resources().get('CPU', 0):g} free CPUs of "
+        f"{ray.cluster_resources().get('CPU', 0):g}. Add nodes (`ray start "
+        f"--address=HEAD_IP:6379`) or lower the {lower}."
+    )
 
 
 def ray_is_connected() -> bool:

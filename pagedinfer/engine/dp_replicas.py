@@ -26,7 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedinfer.config import EngineConfig
-from pagedinfer.distributed.ray_utils import connect_to_cluster, ray_is_connected
+from pagedinfer.distributed.ray_utils import (
+    connect_to_cluster,
+    placement_failure,
+    ray_is_connected,
+)
 from pagedinfer.engine.core_client import EngineCoreClient, SocketClient
 from pagedinfer.engine.ray_client import EngineCoreNode, RayMPClient, engine_core_actor_class
 
@@ -128,12 +132,13 @@ class RayReplicaGroup:
         )
         if not self.placement_group.wait(self.placement_timeout_s):
             raise RuntimeError(
-                f"The Ray cluster could not place {n} data-parallel engine cores ({cpus} CPUs "
-                f"each, strategy {self.placement_strategy}) within "
-                f"{self.placement_timeout_s:g} s: it has "
-                f"{ray.available_resources().get('CPU', 0):g} free CPUs of "
-                f"{ray.cluster_resources().get('CPU', 0):g}. Add nodes (`ray start "
-                "--address=HEAD_IP:6379`) or lower the data-parallel size."
+                placement_failure(
+                    f"{n} data-parallel engine cores",
+                    f"{cpus} CPUs each",
+                    self.placement_strategy,
+                    self.placement_timeout_s,
+                    "data-parallel size",
+                )  # fmt: skip
             )
         actor_class = engine_core_actor_class()
         for rank in range(n):

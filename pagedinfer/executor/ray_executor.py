@@ -63,7 +63,12 @@ from typing import Any, cast
 from pagedinfer import envs
 from pagedinfer.config import EngineConfig, config_to_json
 from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from pagedinfer.distributed.ray_utils import connect_to_cluster, first_line, ray_is_connected
+from pagedinfer.distributed.ray_utils import (
+    connect_to_cluster,
+    first_line,
+    placement_failure,
+    ray_is_connected,
+)
 from pagedinfer.distributed.serial import MsgpackDecoder, MsgpackEncoder
 from pagedinfer.executor.base import Executor, ExecutorFailed, ModelInfo
 from pagedinfer.executor.messages import (
@@ -158,7 +163,6 @@ class RayDistributedExecutor(Executor):
         )
 
     def _start_workers(self, config: EngineConfig) -> None:
-        import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -166,11 +170,13 @@ class RayDistributedExecutor(Executor):
         self.placement_group = placement_group([{"CPU": 1.0}] * n, strategy=self.placement_strategy)
         if not self.placement_group.wait(self.placement_timeout_s):
             raise ExecutorFailed(
-                f"The Ray cluster could not place {n} workers (one CPU each, strategy "
-                f"{self.placement_strategy}) within {self.placement_timeout_s:g} s: it has "
-                f"{ray.available_resources().get('CPU', 0):g} free CPUs of "
-                f"{ray.cluster_resources().get('CPU', 0):g}. Add nodes (`ray start "
-                "--address=HEAD_IP:6379`) or lower the tensor/pipeline parallel size."
+                placement_failure(
+                    f"{n} workers",
+                    "one CPU each",
+                    self.placement_strategy,
+                    self.placement_timeout_s,
+                    "tensor/pipeline parallel size",
+                )  # fmt: skip
             )
         worker_class = remote_worker_class()
         config_json = config_to_json(config)

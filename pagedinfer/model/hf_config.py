@@ -84,6 +84,10 @@ def _any(value: Any) -> bool:
     return True
 
 
+def _silu(value: Any) -> bool:
+    return value == "silu"
+
+
 _NO_SLIDING_WINDOW: dict[str, _Check] = {
     # Qwen2/3 slide only where `use_sliding_window` is set (on the layers `layer_types`
     # marks); `sliding_window` and `max_window_layers` matter only then.
@@ -97,12 +101,12 @@ _CHECKED: dict[str, dict[str, _Check]] = {
     "LlamaForCausalLM": {
         "attention_bias": _false,
         "mlp_bias": _false,
-        "hidden_act": lambda v: v == "silu",
+        "hidden_act": _silu,
     },
-    "Qwen2ForCausalLM": {"hidden_act": lambda v: v == "silu", **_NO_SLIDING_WINDOW},
+    "Qwen2ForCausalLM": {"hidden_act": _silu, **_NO_SLIDING_WINDOW},
     "Qwen3ForCausalLM": {
         "attention_bias": _false,
-        "hidden_act": lambda v: v == "silu",
+        "hidden_act": _silu,
         **_NO_SLIDING_WINDOW,
     },
 }

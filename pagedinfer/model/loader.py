@@ -230,11 +230,9 @@ def load_quant_blocks(
         if blocks is None:
             continue
         heads = None
-        if config.architecture not in _ROPE_PERMUTED:
-            pass
-        elif hf_name.endswith("q_proj.weight"):
+        if config.architecture in _ROPE_PERMUTED and hf_name.endswith("q_proj.weight"):
             heads = config.num_attention_heads
-        elif hf_name.endswith("k_proj.weight"):
+        elif config.architecture in _ROPE_PERMUTED and hf_name.endswith("k_proj.weight"):
             heads = config.num_key_value_heads
         if heads is not None:
             # A row permutation: applies to codes and per-row group scales alike.
