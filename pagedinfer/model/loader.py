@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pagedinfer.gguf_metadata import find_default_model
+from pagedinfer.gguf_metadata import resolve_model
 from pagedinfer.model.arch_config import ModelArchConfig, RopeScaling
 from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.hf_config import hf_arch_config, read_json
@@ -286,7 +286,7 @@ def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _resolve(path: str | os.PathLike[str] | None) -> str:
-    resolved = find_default_model() if path is None else os.fspath(path)
+    resolved = resolve_model(path)
     if not os.path.exists(resolved):
         raise FileNotFoundError(f"model path {resolved!r} does not exist")
     return resolved
