@@ -5,8 +5,12 @@ processor (incremental detokenisation through `tokenizers.decoders.DecodeStream`
 share. It is built either from a GGUF file's tokenizer metadata or from a Hugging Face
 directory's `tokenizer.json` + `tokenizer_config.json`.
 
-GGUF tokenizers (`tokenizer.ggml.model == "gpt2"`, byte-level BPE) are rebuilt to encode exactly
-as transformers' GGUF loader does:
+GGUF files describe their tokenizer as arrays (tokens, scores, token types, merges) plus a
+model name. Two are rebuilt, each to encode and decode exactly as transformers' GGUF loader
+(`transformers/integrations/gguf/gguf_tokenizer_mapping.py`) does; anything else is refused
+with a ValueError naming the supported ones.
+
+`tokenizer.ggml.model == "gpt2"` (byte-level BPE: SmolLM, Qwen, Llama 3):
 - vocabulary and merges straight from the file; a token written outside the GPT-2 byte alphabet
   is re-spelled from its UTF-8 bytes;
 - pre-tokenizer: a `Split` on the regex named by `tokenizer.ggml.pre` when we know it
@@ -14,13 +18,39 @@ as transformers' GGUF loader does:
   falls in the second group, like in transformers. llama.cpp additionally isolates every digit
   for "smollm". The vocabulary has no multi-digit tokens, so the two agree except on whitespace
   runs directly before a digit ("a   1"), where we follow transformers;
-- tokens typed CONTROL (3) become special added tokens: never split, dropped by
-  `skip_special_tokens`; USER_DEFINED (4) become plain added tokens;
-- BOS/EOS are added by a post-processor only when `tokenizer.ggml.add_{bos,eos}_token` say so
-  (SmolLM2: neither).
+- tokens typed CONTROL (3) whose spelling is in the byte alphabet become special added tokens;
+  USER_DEFINED (4) become plain added tokens; BOS/EOS only as `add_{bos,eos}_token` say.
 
-Invariants: `decode(encode(s)) == s` for any text without special-token strings (byte-level BPE
-is lossless and we never clean up spaces); `vocab_size` counts added tokens.
+`tokenizer.ggml.model == "llama"` (SentencePiece written by llama.cpp: Llama 2, Mistral, Gemma):
+- a BPE model with byte fallback (`<0x00>`..`<0xFF>` carry the bytes of characters outside the
+  vocabulary) and `fuse_unk`. The merges come from `tokenizer.ggml.merges` when the file has
+  them; otherwise they are rebuilt from the vocabulary: every split of a token into two tokens,
+  best merged token first, which is SentencePiece's own "highest-scoring pair" rule. The rank is
+  the token's score, except for Gemma, whose scores do not follow its merge order: there the
+  file order is the rank;
+- the text pipeline is picked by `general.architecture`, as in transformers:
+  - gemma, gemma2, gemma3: spaces become "▁" in a normalizer and no prefix is added. The file
+    spells its all-space tokens with real spaces ("  "); they are re-spelled "▁▁" first, or no
+    text could reach them;
+  - phi3: a normalizer prepends "▁" to the text and replaces spaces;
+  - any other (llama, mistral, ...): a `Metaspace` pre-tokenizer that prepends "▁" to the
+    text's first piece only (prepend_scheme "first": not after a special token, and not to text
+    that starts with a space already), and a decoder that strips that one leading space.
+  transformers ignores `tokenizer.ggml.add_space_prefix`, and so do we (llama.cpp honours it:
+  it adds the space after every special token too, and even before a leading one, so
+  llama.cpp and we disagree on such text);
+- CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens. The named
+  BOS/EOS/UNK/PAD tokens (and the names transformers' tokenizer class presets: `<s>`, `</s>`,
+  `<unk>`; for Gemma `<bos>`, `<eos>`, `<unk>`, `<pad>`, `<mask>`) are special too when the
+  vocabulary has them. transformers would also append such a name that the vocabulary lacks
+  as a new id; we never grow the vocabulary past the model's;
+- BOS is added unless `tokenizer.ggml.add_bos_token` says otherwise (llama.cpp's default for
+  SentencePiece); EOS only when `add_eos_token` asks.
+
+Invariants: `vocab_size` counts added tokens, and from a GGUF file it never exceeds the file's
+token count. Byte-level BPE round-trips any text without special-token strings:
+`decode(encode(s)) == s` (we never clean up spaces). SentencePiece round-trips too, except
+that a "▁" in the text reads back as a space and, outside Gemma, a leading space is lost.
 """
 
 from __future__ import annotations
@@ -31,7 +61,7 @@ import os
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pagedinfer.gguf_metadata import read_gguf_metadata, resolve_model
@@ -62,6 +92,21 @@ def read_chat_template(value: str) -> str:
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+
+# `tokenizer.ggml.model` values we rebuild, for the refusal message.
+_GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+# SentencePiece's word-boundary marker: a space, in the vocabulary's spelling.
+_SPACE_MARK = "\u2581"
+# The text pipeline of a SentencePiece vocabulary by `general.architecture` (transformers'
+# GGUF_SENTENCEPIECE_BUILDERS); every other architecture is "llama".
+_SENTENCEPIECE_STYLES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}
+# Token names the tokenizer class transformers builds presets as special (LlamaTokenizer,
+# GemmaTokenizer): they are special whenever the vocabulary has them, whatever their type.
+_PRESET_SPECIAL = {
+    "llama": ("<unk>", "<s>", "</s>"),
+    "phi3": ("<unk>", "<s>", "</s>"),
+    "gemma": ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"),
+}
 
 # Pre-tokenizer split regexes by `tokenizer.ggml.pre`. Names not listed use ByteLevel's own
 # GPT-2 regex, which is what transformers does for them (including "smollm").
@@ -140,55 +185,26 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf: str | os.PathLike[str] | GGUFFile) -> Tokenizer:
-        """Rebuild the byte-level BPE tokenizer a GGUF file describes (a path, or a
-        `GGUFFile` the caller has open already)."""
+        """Rebuild the tokenizer a GGUF file describes (a path, or a `GGUFFile` the caller has
+        open already): byte-level BPE ("gpt2") or SentencePiece ("llama")."""
         meta = read_gguf_metadata(gguf) if isinstance(gguf, (str, os.PathLike)) else gguf.metadata
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        alphabet = _byte_alphabet()
-        allowed = set(alphabet.values())
-        spelled = [
-            tok if set(tok) <= allowed else "".join(alphabet[b] for b in tok.encode("utf-8"))
-            for tok in tokens
-        ]
-        vocab = {tok: i for i, tok in enumerate(spelled)}
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        regex = _PRE_TOKENIZER_REGEXES.get(meta.get("tokenizer.ggml.pre", ""))
-        if regex is not None:
-            split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
-            no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-            backend.pre_tokenizer = pre_tokenizers.Sequence([split, no_regex])
+        if kind == "gpt2":
+            backend = _byte_level_backend(meta)
+        elif kind == "llama":
+            backend = _sentencepiece_backend(meta)
         else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-
-        # An added token spelled outside the byte alphabet is not matchable text of this
-        # vocabulary (for CONTROL, a converter mislabel), so it is left alone, as in transformers.
-        control = [
-            AddedToken(tok, special=True, normalized=False)
-            for tok, kind_id in zip(tokens, token_types, strict=True)
-            if kind_id == _TOKEN_TYPE_CONTROL and set(tok) <= allowed
-        ]
-        backend.add_special_tokens(control)
-        user = [
-            AddedToken(tok, special=False, normalized=False)
-            for tok, kind_id in zip(tokens, token_types, strict=True)
-            if kind_id == _TOKEN_TYPE_USER_DEFINED and set(tok) <= allowed
-        ]
-        backend.add_tokens(user)
+            known = ", ".join(f"{name!r} {what}" for name, what in _GGUF_TOKENIZER_MODELS.items())
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: {known})")
 
         def token_id(name: str) -> int | None:
             value = meta.get(f"tokenizer.ggml.{name}")
             return None if value is None else int(value)
 
         bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        # (older files have no flag); transformers follows it.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         backend.post_processor = _post_processor(backend, bos, eos, add_bos, add_eos)
         return cls(
@@ -259,7 +275,8 @@ class Tokenizer:
         return text
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        """Vocabulary strings (byte-level spelling, e.g. "Ġworld") of `ids`."""
+        """Vocabulary strings of `ids`, as the vocabulary spells them: "Ġworld" (byte-level
+        BPE), "▁world" or a byte "<0xE4>" (SentencePiece)."""
         return [self.backend.id_to_token(i) or "" for i in ids]
 
     @property
@@ -320,6 +337,140 @@ class Tokenizer:
         }
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def _byte_level_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """The `tokenizers` pipeline of a "gpt2" (byte-level BPE) GGUF vocabulary."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    alphabet = _byte_alphabet()
+    allowed = set(alphabet.values())
+    spelled = [
+        tok if set(tok) <= allowed else "".join(alphabet[b] for b in tok.encode("utf-8"))
+        for tok in tokens
+    ]
+    vocab = {tok: i for i, tok in enumerate(spelled)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    regex = _PRE_TOKENIZER_REGEXES.get(meta.get("tokenizer.ggml.pre", ""))
+    if regex is not None:
+        split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
+        no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, no_regex])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+
+    # An added token spelled outside the byte alphabet is not matchable text of this
+    # vocabulary (for CONTROL, a converter mislabel), so it is left alone, as in transformers.
+    control = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind_id in zip(tokens, token_types, strict=True)
+        if kind_id == _TOKEN_TYPE_CONTROL and set(tok) <= allowed
+    ]
+    backend.add_special_tokens(control)
+    user = [
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind_id in zip(tokens, token_types, strict=True)
+        if kind_id == _TOKEN_TYPE_USER_DEFINED and set(tok) <= allowed
+    ]
+    backend.add_tokens(user)
+    return backend
+
+
+def _sentencepiece_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """The `tokenizers` pipeline of a "llama" (SentencePiece) GGUF vocabulary; the text
+    pipeline follows `general.architecture` (see the module docstring)."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    style = _SENTENCEPIECE_STYLES.get(meta.get("general.architecture", ""), "llama")
+    ranks: list[float]
+    if style == "gemma":
+        # Same test as transformers: all whitespace, with at least one space (" \t" too).
+        spelled = [_SPACE_MARK * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks = [float(-i) for i in range(len(tokens))]  # file order is Gemma's merge order
+    else:
+        spelled = list(tokens)
+        ranks = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    # A spelling listed twice keeps its last id, as a dict built in file order does.
+    vocab = {tok: i for i, tok in enumerate(spelled)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = _merges_by_rank(spelled, ranks, vocab)
+    # Gemma's tokenizer class names "<unk>" as the model's unknown token; byte fallback makes it
+    # unreachable whenever the 256 byte tokens are there.
+    unk = "<unk>" if style == "gemma" and "<unk>" in vocab else None
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    to_text = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if style == "gemma":
+        backend.normalizer = normalizers.Replace(" ", _SPACE_MARK)
+        # A no-op after the normalizer (no spaces are left); kept so the pipeline, which the
+        # grammar backends inspect, is transformers' own.
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence(to_text)
+    else:
+        if style == "phi3":
+            backend.normalizer = normalizers.Sequence(
+                [normalizers.Prepend(_SPACE_MARK), normalizers.Replace(" ", _SPACE_MARK)]
+            )
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement=_SPACE_MARK, prepend_scheme="first", split=False
+            )
+        # The prefix "▁" is no text of the user's: drop it (one leading space) again.
+        backend.decoder = decoders.Sequence([*to_text, decoders.Strip(" ", 1, 0)])
+
+    backend.add_special_tokens(
+        [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind_id in zip(tokens, token_types, strict=True)
+            if kind_id == _TOKEN_TYPE_CONTROL
+        ]
+    )
+    # A USER_DEFINED token that was re-spelled (Gemma's "  ") is left out, as in transformers:
+    # text reaches its "▁▁" spelling through the merges instead.
+    backend.add_tokens(
+        [
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind_id in zip(tokens, token_types, strict=True)
+            if kind_id == _TOKEN_TYPE_USER_DEFINED and tok in vocab
+        ]
+    )
+    named_ids = [
+        meta.get(f"tokenizer.ggml.{key}")
+        for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+    ]
+    named = [tokens[int(i)] for i in named_ids if i is not None and 0 <= int(i) < len(tokens)]
+    added = {tok.content for tok in backend.get_added_tokens_decoder().values()}
+    extra = dict.fromkeys(t for t in [*_PRESET_SPECIAL[style], *named] if t in vocab)
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in extra if t not in added]
+    )
+    return backend
+
+
+def _merges_by_rank(
+    tokens: list[str], ranks: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """BPE merges implied by a ranked vocabulary: every split of a token into two vocabulary
+    tokens, ordered by the merged token's rank (highest first), then longer left part, then
+    longer right part; ties keep the vocabulary's order (transformers' `generate_merges`, which
+    the merges must equal for BPE to pick the same pairs)."""
+    best = dict(zip(tokens, ranks))  # a repeated spelling: first position, last rank
+    candidates: list[tuple[float, int, int, str, str]] = []
+    for token, rank in best.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-rank, -cut, cut - len(token), left, right))
+    # Sort on the three keys only: a stable sort keeps ties in vocabulary order.
+    candidates.sort(key=lambda c: (c[0], c[1], c[2]))
+    return [(left, right) for _, _, _, left, right in candidates]
 
 
 def _post_processor(
