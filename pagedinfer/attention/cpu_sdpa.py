@@ -322,6 +322,8 @@ class CpuPagedBackend(CpuSdpaBackend):
                 paged.block_table,
                 paged.seq_lens,
                 self.scale,
+                0,  # sliding_window: none
+                0.0,  # soft_cap: none
             )  # [n, heads, dim]
             _put_rows(out, paged.contiguous_start, paged.token_idx, o)
         return out

@@ -1,9 +1,10 @@
 """Loader of pagedinfer's C++ CPU kernels (one extension module built from `csrc/`):
 
-- `paged_decode_attention` (`csrc/paged_attention_cpu.cpp`), reference `attention/torch_ref.py`;
+- `paged_decode_attention` (`csrc/paged_attention_cpu.cpp`), with an optional sliding window
+  and logit soft cap, reference `attention/torch_ref.py`;
 - `paged_prefill_attention` (`csrc/prefill_attention_cpu.cpp`, bfloat16 on AMX tiles, where
   `prefill_attention_available()`), prefills and chunks over a cached prefix;
-- `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`
+- `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul`, `rotary_embedding`
   (`csrc/layer_ops_cpu.cpp`), the model's fused layer ops;
 - `quant_linear` (`csrc/quant_linear_cpu.cpp`), products with the file's Q4/Q8 blocks;
 - `argmax_rows` (`csrc/sample_ops_cpu.cpp`), the sampler's row-wise argmax.

@@ -3,10 +3,12 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale);
+                                     torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                                     double soft_cap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
                       torch::Tensor sin, int64_t num_heads, int64_t head_dim);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
@@ -20,11 +22,13 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention (CPU); sliding_window and soft_cap: 0 = off");
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside, one rounding");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "In place: residual = x + residual; x = rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "[rows, 2d] -> silu(gate) * up");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "[rows, 2d] -> gelu_tanh(gate) * up");
   m.def("rotary_embedding", &rotary_embedding, "In-place rotate-half RoPE on the first heads");
   m.def("quant_linear", &quant_linear, "x @ W.T, W in packed Q4/Q8 blocks (model/quant.py)");
   m.def("quant_linear_uses_int8_activations", &quant_linear_uses_int8_activations,
