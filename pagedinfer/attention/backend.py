@@ -12,6 +12,11 @@ Token at position p of request r lives in slot
 `block_table[r, p // block_size] * block_size + p % block_size`; `slot_mapping` holds that
 slot for every new token, and the backend writes the new K/V there before attending.
 
+A layer may narrow what its queries see (`AttentionOptions`, passed with each call): a sliding
+window (query at position i sees keys j with i - window < j <= i, Hugging Face's mask) and a
+soft cap on the scores (Gemma 2). The KV cache keeps every position either way; the window
+is a mask over it.
+
 `CommonAttentionMetadata` is built once per step by the model runner; each backend turns it
 into its own metadata with `build()` (also once per step), and every layer then calls
 `forward()`. The per-step metadata reaches the layers through `ForwardContext`, a context
@@ -29,7 +34,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "FULL_ATTENTION",
     "AttentionBackend",
+    "AttentionOptions",
     "CommonAttentionMetadata",
     "ForwardContext",
     "get_forward_context",
@@ -60,6 +67,34 @@ class CommonAttentionMetadata:
     block_size: int
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What one layer's queries attend to, beyond causality; the default is plain causal
+    attention. Set per layer by the model (e.g. Gemma 3's five sliding layers per global
+    one), the same for every step."""
+
+    sliding_window: int | None = None
+    """The query at position i sees only keys at positions j with i - window < j <= i
+    (itself and the window - 1 before it); None: every earlier position."""
+    logits_soft_cap: float | None = None
+    """Scores (already scaled) become cap * tanh(score / cap) before the mask and the
+    softmax (Gemma 2's `attn_logit_softcapping`); None: no cap."""
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0, got {self.logits_soft_cap}")
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain causal attention (no window, no cap): every fast path takes it."""
+        return self.sliding_window is None and self.logits_soft_cap is None
+
+
+FULL_ATTENTION = AttentionOptions()
+
+
 class AttentionBackend(ABC):
     """One attention implementation; stateless apart from configuration."""
 
@@ -85,8 +120,10 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: Any,
+        options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
-        """Write key/value into `kv_cache` at the step's slots, then attend.
+        """Write key/value into `kv_cache` at the step's slots, then attend (narrowed by
+        the layer's `options`).
 
         query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
         head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].

@@ -16,18 +16,27 @@ K/V in place through the block table with no gathered copy; and, for bfloat16 mo
 CPU with AMX, prefills and chunks go through the paged prefill kernel, likewise one call per
 layer for all of them (2-6x faster than the gather + masked SDPA above on the chunk shapes
 of docs/benchmarks.md, where a chunk over a cached prefix was the slowest part of a step).
+A layer with a sliding window or a soft cap (`AttentionOptions`) takes the same paths with its
+own masks (built on its first call of the step, then shared by the layers with the same
+options): a window masks, and a chunk's context is gathered only from the window's first key
+on. SDPA has no soft cap, so capped layers compute the scores explicitly (`_attend`). The
+decode kernel takes both options; the AMX prefill kernel takes neither (it is built and
+tested only on CPUs with AMX, none of which this code was developed on), so such layers'
+prefills take the SDPA chunk path.
 Results equal `TorchRefBackend` within float tolerance (tests/unit/attention).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from pagedinfer.attention.backend import (
+    FULL_ATTENTION,
     AttentionBackend,
+    AttentionOptions,
     CommonAttentionMetadata,
     flat_kv_cache,
     write_kv_cache,
@@ -45,6 +54,20 @@ class _Chunk:
     mask: torch.Tensor | None
     """[query_len, seq_len] bool (True = attend) for a chunk over a cached prefix."""
 
+    def windowed(self, window: int) -> _Chunk:
+        """The same chunk for a layer with a sliding window: the context cut to the keys
+        the first query row can still see, and a mask that hides the rest."""
+        query_len = self.q_end - self.q_start
+        seq_len = query_len if self.slots is None else self.slots.shape[0]
+        first = max(0, seq_len - query_len - window + 1)  # earliest key any row sees
+        q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+        k_pos = torch.arange(first, seq_len)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [query_len, seq_len - first]
+        if self.slots is None:  # a fresh prefill still reads only this step's K/V
+            assert first == 0
+            return _Chunk(self.q_start, self.q_end, None, mask)
+        return _Chunk(self.q_start, self.q_end, self.slots[first:], mask)
+
 
 @dataclass
 class _DecodeGroup:
@@ -56,6 +79,19 @@ class _DecodeGroup:
     """[group_size, 1, 1, max_seq_len] bool, True where the key is real; None if no padding."""
     contiguous_start: int | None
     """If the group's rows are start..start+size-1, `start` (lets forward slice, not gather)."""
+    seq_lens: torch.Tensor
+    """[group_size] int64 context length of each row."""
+
+    def windowed(self, window: int) -> _DecodeGroup:
+        """The same group for a layer with a sliding window: keys before each row's window
+        masked too."""
+        positions = torch.arange(self.slots.shape[1])
+        seen = positions[None, :] < self.seq_lens[:, None]
+        seen &= positions[None, :] >= self.seq_lens[:, None] - window  # [size, max_len]
+        return _DecodeGroup(
+            self.token_idx, self.slots, seen[:, None, None, :], self.contiguous_start,
+            self.seq_lens,
+        )  # fmt: skip
 
 
 @dataclass
@@ -93,7 +129,24 @@ class CpuSdpaMetadata:
     paged_prefills: _PagedPrefills | None = None
     common: CommonAttentionMetadata | None = None
     """Kept when `chunks` was left empty for the prefill kernel, to build them if the
-    kernel turns out not to apply (a dtype other than bfloat16)."""
+    kernel turns out not to apply (a dtype other than bfloat16, a windowed layer)."""
+    sdpa_prefills: CpuSdpaMetadata | None = None
+    """`CpuPagedBackend`: the prefills as SDPA chunks, for the layers the prefill kernel
+    does not take (made on the first such call)."""
+    windowed: dict[int, tuple[list[_Chunk], list[_DecodeGroup]]] = field(default_factory=dict)
+    """sliding window -> `chunks` and `decode_groups` for layers with that window, made on
+    the first such layer's call and shared by the others of the step."""
+
+    def for_window(self, window: int | None) -> tuple[list[_Chunk], list[_DecodeGroup]]:
+        """The chunks and decode groups a layer with this sliding window attends over."""
+        if window is None:
+            return self.chunks, self.decode_groups
+        if window not in self.windowed:
+            self.windowed[window] = (
+                [chunk.windowed(window) for chunk in self.chunks],
+                [group.windowed(window) for group in self.decode_groups],
+            )
+        return self.windowed[window]
 
 
 def _contiguous_start(rows: list[int]) -> int | None:
@@ -194,6 +247,7 @@ class CpuSdpaBackend(AttentionBackend):
                     slots=slots,
                     mask=mask,
                     contiguous_start=_contiguous_start(group_rows),
+                    seq_lens=lens,
                 )
             )
         return out
@@ -205,40 +259,67 @@ class CpuSdpaBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CpuSdpaMetadata,
+        options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        chunks, decode_groups = metadata.for_window(options.sliding_window)
+        cap = options.logits_soft_cap
 
-        for chunk in metadata.chunks:
+        for chunk in chunks:
             # 4-D inputs ([1, heads, len, dim]): torch's fused CPU flash kernel only takes
             # batched inputs; 3-D ones fall back to the unfused math path (~10x slower).
             q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, heads, q, dim]
             if chunk.slots is None:
                 k = key[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, kv_heads, q, dim]
                 v = value[chunk.q_start : chunk.q_end].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
-                )
             else:
                 k = key_cache[chunk.slots].transpose(0, 1)[None]  # [1, kv_heads, seq, dim]
                 v = value_cache[chunk.slots].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True
-                )
+            o = self._attend(q, k, v, chunk.mask, cap)
             out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
 
-        for group in metadata.decode_groups:
+        for group in decode_groups:
             n = group.slots.shape[0]
             q = _take_rows(query, group.contiguous_start, group.token_idx, n)
             q = q.unsqueeze(2)  # [n, heads, 1, dim]
             k = key_cache[group.slots].transpose(1, 2)  # [n, kv_heads, seq, dim]
             v = value_cache[group.slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True
-            ).squeeze(2)  # [n, heads, dim]
+            o = self._attend(q, k, v, group.mask, cap, causal=False).squeeze(2)  # [n, heads, dim]
             _put_rows(out, group.contiguous_start, group.token_idx, o)
         return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        soft_cap: float | None,
+        causal: bool = True,
+    ) -> torch.Tensor:
+        """Attention of q [b, heads, q_len, dim] over k, v [b, kv_heads, kv_len, dim] with a
+        boolean mask (True = attend; broadcast to [b, heads, q_len, kv_len]), or, without
+        one, causal (a fresh prefill) unless `causal` is False.
+
+        SDPA, unless the scores are soft-capped: SDPA has no hook between the scores and
+        the softmax, so those are computed explicitly, in float32 as Hugging Face does."""
+        if soft_cap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.scale,
+                enable_gqa=True,
+            )  # fmt: skip
+        group = q.shape[1] // k.shape[1]
+        k = k.float().repeat_interleave(group, dim=1)  # [b, heads, kv_len, dim]
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scale  # [b, heads, q, kv]
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+        if mask is None and causal:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
 
 
 class CpuPagedBackend(CpuSdpaBackend):
@@ -291,14 +372,18 @@ class CpuPagedBackend(CpuSdpaBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CpuSdpaMetadata,
+        options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         prefills = metadata.paged_prefills
-        if prefills is not None and query.dtype != torch.bfloat16:
-            # No kernel for this dtype: the SDPA chunk path after all.
-            assert metadata.common is not None
-            metadata.chunks = self._build(metadata.common, batch_decodes=False).chunks
-            metadata.paged_prefills = prefills = None
-        out = super().forward(query, key, value, kv_cache, metadata)
+        if prefills is not None and (query.dtype != torch.bfloat16 or not options.is_plain):
+            # The prefill kernel takes neither this dtype nor a window or a soft cap: this
+            # layer's prefills take the SDPA chunk path.
+            out = super().forward(
+                query, key, value, kv_cache, self._sdpa_prefills(metadata), options
+            )
+            prefills = None
+        else:
+            out = super().forward(query, key, value, kv_cache, metadata, options)
         if prefills is not None:
             self.kernel.paged_prefill_attention(
                 out,
@@ -322,8 +407,16 @@ class CpuPagedBackend(CpuSdpaBackend):
                 paged.block_table,
                 paged.seq_lens,
                 self.scale,
-                0,  # sliding_window: none
-                0.0,  # soft_cap: none
+                options.sliding_window or 0,  # 0: no window
+                options.logits_soft_cap or 0.0,  # 0: no cap
             )  # [n, heads, dim]
             _put_rows(out, paged.contiguous_start, paged.token_idx, o)
         return out
+
+    def _sdpa_prefills(self, metadata: CpuSdpaMetadata) -> CpuSdpaMetadata:
+        """The step's prefills as SDPA chunks (no decodes: the kernel runs those), for
+        layers the prefill kernel does not take; made once per step."""
+        if metadata.sdpa_prefills is None:
+            assert metadata.common is not None
+            metadata.sdpa_prefills = self._build(metadata.common, batch_decodes=False)
+        return metadata.sdpa_prefills

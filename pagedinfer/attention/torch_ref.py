@@ -2,7 +2,8 @@
 
 It walks requests one by one, gathers each request's whole context from the paged cache
 through its block table, and computes causal softmax attention in float32 with an explicit
-mask. Slow and obvious on purpose.
+mask (causal, and the layer's sliding window), soft-capping the scores first where the layer
+asks. Slow and obvious on purpose.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from pagedinfer.attention.backend import (
+    FULL_ATTENTION,
     AttentionBackend,
+    AttentionOptions,
     CommonAttentionMetadata,
     flat_kv_cache,
     write_kv_cache,
@@ -35,6 +38,7 @@ class TorchRefBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CommonAttentionMetadata,
+        options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
@@ -50,10 +54,16 @@ class TorchRefBackend(AttentionBackend):
             v = value_cache[slots].float().repeat_interleave(group, dim=1)
             q = query[q_start:q_end].float()  # [query_len, heads, dim]
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale  # [heads, q, seq]
+            cap = options.logits_soft_cap
+            if cap is not None:
+                scores = torch.tanh(scores / cap) * cap
             # Query i sits at absolute position (seq_len - query_len + i).
             q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
             k_pos = torch.arange(seq_len)[None, :]
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            hidden = k_pos > q_pos  # [q, seq]
+            if options.sliding_window is not None:
+                hidden |= k_pos <= q_pos - options.sliding_window
+            scores = scores.masked_fill(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
         return out

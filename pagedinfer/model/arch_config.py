@@ -13,13 +13,28 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["ROPE_SCALING_KEYS", "ModelArchConfig", "RopeScaling"]
+from pagedinfer.attention.backend import AttentionOptions
+
+__all__ = [
+    "FULL_ATTENTION_LAYER",
+    "ROPE_SCALING_KEYS",
+    "SLIDING_LAYER",
+    "ModelArchConfig",
+    "RopeScaling",
+]
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
+
+SLIDING_LAYER = "sliding_attention"
+FULL_ATTENTION_LAYER = "full_attention"
+"""Hugging Face's `layer_types` values."""
 """Architecture -> transformers' `model_type`, for `to_hf_config_dict`."""
 
 
@@ -92,6 +107,25 @@ class ModelArchConfig:
     qk_norm: bool = False
     """An RMSNorm over each query and each key head, before RoPE (Qwen3), with weights
     `self_attn.q_norm` and `self_attn.k_norm` of `head_dim` each."""
+    sliding_window: int | None = None
+    """The window of the layers that slide (`AttentionOptions.sliding_window`); None: no
+    layer does."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer `SLIDING_LAYER` or `FULL_ATTENTION_LAYER` (Gemma, Qwen2's top layers);
+    None: every layer slides when `sliding_window` is set (Mistral, Phi-3)."""
+    sliding_rope_theta: float | None = None
+    """The RoPE base of the sliding layers (Gemma 3's local base; plain RoPE); None: the
+    same RoPE as the other layers."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores soft-capped at this value (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Logits soft-capped at this value: cap * tanh(logits / cap) (Gemma 2)."""
+    query_pre_attn_scalar: float | None = None
+    """Scores scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma)."""
+    gemma_norms: bool = False
+    """Gemma's decoder: every RMSNorm scales by (1 + weight) (the model stores 1 + weight,
+    which is what GGUF files hold), a norm after attention and around the MLP (four per
+    layer), and the embeddings multiplied by sqrt(hidden_size)."""
 
     def __post_init__(self) -> None:
         if not self.eos_token_ids:
@@ -101,6 +135,36 @@ class ModelArchConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = set(self.layer_types) - {SLIDING_LAYER, FULL_ATTENTION_LAYER}
+            if unknown:
+                raise ValueError(f"layer_types {sorted(unknown)} are not supported")
+            if SLIDING_LAYER in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding layers but no sliding_window")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (global index) attends through the window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == SLIDING_LAYER
+
+    def attention_options(self, layer: int) -> AttentionOptions:
+        """What decoder layer `layer`'s queries attend to (window, soft cap)."""
+        return AttentionOptions(
+            sliding_window=self.sliding_window if self.is_sliding(layer) else None,
+            logits_soft_cap=self.attn_logit_softcapping,
+        )
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor the scores q.k are multiplied by."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def eos_token_id(self) -> int:

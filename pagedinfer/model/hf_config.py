@@ -23,7 +23,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pagedinfer.model.arch_config import ROPE_SCALING_KEYS, ModelArchConfig, RopeScaling
+from pagedinfer.model.arch_config import (
+    FULL_ATTENTION_LAYER,
+    ROPE_SCALING_KEYS,
+    SLIDING_LAYER,
+    ModelArchConfig,
+    RopeScaling,
+)
 from pagedinfer.model.registry import architecture_features, check_architecture
 
 __all__ = ["INERT_KEYS", "read_json", "hf_arch_config"]
@@ -76,26 +82,13 @@ def _false(value: Any) -> bool:
     return value is None or value is False
 
 
-def _all_full_attention(value: Any) -> bool:
-    return value is None or all(t == "full_attention" for t in value)
-
-
-def _any(value: Any) -> bool:
-    return True
-
-
 def _silu(value: Any) -> bool:
     return value == "silu"
 
 
-_NO_SLIDING_WINDOW: dict[str, _Check] = {
-    # Qwen2/3 slide only where `use_sliding_window` is set (on the layers `layer_types`
-    # marks); `sliding_window` and `max_window_layers` matter only then.
-    "use_sliding_window": _false,
-    "layer_types": _all_full_attention,
-    "sliding_window": _any,
-    "max_window_layers": _any,
-}
+def _gelu_tanh(value: Any) -> bool:
+    return value in ("gelu_pytorch_tanh", "gelu_tanh")
+
 
 _CHECKED: dict[str, dict[str, _Check]] = {
     "LlamaForCausalLM": {
@@ -103,11 +96,20 @@ _CHECKED: dict[str, dict[str, _Check]] = {
         "mlp_bias": _false,
         "hidden_act": _silu,
     },
-    "Qwen2ForCausalLM": {"hidden_act": _silu, **_NO_SLIDING_WINDOW},
-    "Qwen3ForCausalLM": {
+    "MistralForCausalLM": {"hidden_act": _silu},
+    "Qwen2ForCausalLM": {"hidden_act": _silu},
+    "Qwen3ForCausalLM": {"attention_bias": _false, "hidden_act": _silu},
+    "Gemma2ForCausalLM": {
         "attention_bias": _false,
-        "hidden_act": _silu,
-        **_NO_SLIDING_WINDOW,
+        "hidden_act": _gelu_tanh,
+        "hidden_activation": _gelu_tanh,
+        "use_bidirectional_attention": _false,
+    },
+    "Gemma3ForCausalLM": {
+        "attention_bias": _false,
+        "hidden_act": _gelu_tanh,
+        "hidden_activation": _gelu_tanh,
+        "use_bidirectional_attention": _false,
     },
 }
 """architecture -> {config key: accepted values}: the keys its model code implements for
@@ -124,6 +126,26 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's RoPE: (global base, global scaling, the sliding layers' base), from
+    `rope_parameters` per layer type (transformers >= 5) or from `rope_theta`,
+    `rope_scaling` and `rope_local_base_freq` (older configs). The sliding layers' RoPE
+    must be plain."""
+    params = cfg.get("rope_parameters") or {}
+    if FULL_ATTENTION_LAYER in params or SLIDING_LAYER in params:
+        theta, scaling = _rope({"rope_parameters": params.get(FULL_ATTENTION_LAYER, {})})
+        local = params.get(SLIDING_LAYER, {})
+        local_theta, local_scaling = _rope({"rope_parameters": local})
+        if local_scaling is not None:
+            raise ValueError(
+                f"config.json: rope_parameters.{SLIDING_LAYER} {local} is not supported "
+                "(the sliding layers' RoPE must be plain)"
+            )
+        return theta, scaling, local_theta
+    theta, scaling = _rope(cfg)
+    return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0))
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -170,9 +192,73 @@ def _architecture(cfg: dict[str, Any]) -> str:
     return "LlamaForCausalLM"
 
 
+_FAMILY_READ_KEYS: dict[str, frozenset[str]] = {
+    "MistralForCausalLM": frozenset({"sliding_window"}),
+    "Qwen2ForCausalLM": frozenset(
+        {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+    ),
+    "Gemma2ForCausalLM": frozenset(
+        {"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+         "final_logit_softcapping", "cache_implementation"}
+    ),
+    "Gemma3ForCausalLM": frozenset(
+        {"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+         "final_logit_softcapping", "rope_local_base_freq", "sliding_window_pattern",
+         "_sliding_window_pattern", "cache_implementation"}
+    ),
+}  # fmt: skip
+"""architecture -> the keys `_family_fields` reads beyond `_READ_KEYS`."""
+_FAMILY_READ_KEYS["Qwen3ForCausalLM"] = _FAMILY_READ_KEYS["Qwen2ForCausalLM"]
+
+
+def _layer_types(cfg: dict[str, Any], pattern: int) -> tuple[str, ...]:
+    """`layer_types`, or transformers' default when absent: every `pattern`-th layer
+    global, the others sliding (Gemma 2: 2, Gemma 3: 6)."""
+    if cfg.get("layer_types") is not None:
+        return tuple(cfg["layer_types"])
+    return tuple(
+        FULL_ATTENTION_LAYER if (i + 1) % pattern == 0 else SLIDING_LAYER
+        for i in range(int(cfg["num_hidden_layers"]))
+    )
+
+
+def _family_fields(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The `ModelArchConfig` fields of a family's own keys (windows, soft caps...)."""
+    if architecture == "MistralForCausalLM":
+        return {"sliding_window": cfg.get("sliding_window")}
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # As transformers: the window applies only with `use_sliding_window`, on the layers
+        # `layer_types` marks (by default those from `max_window_layers` up).
+        if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+            return {}
+        types = cfg.get("layer_types") or [
+            SLIDING_LAYER if i >= int(cfg.get("max_window_layers", 28)) else FULL_ATTENTION_LAYER
+            for i in range(int(cfg["num_hidden_layers"]))
+        ]
+        return {"sliding_window": int(cfg["sliding_window"]), "layer_types": tuple(types)}
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        pattern = 2 if architecture == "Gemma2ForCausalLM" else int(
+            cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        )  # fmt: skip
+        caps = {
+            key: None if cfg.get(key) is None else float(cfg[key])
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")
+        }
+        return {
+            "sliding_window": int(cfg.get("sliding_window", 4096)),
+            "layer_types": _layer_types(cfg, pattern),
+            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+            **caps,
+        }
+    return {}
+
+
 def _check_keys(cfg: dict[str, Any], architecture: str) -> None:
     checked = _CHECKED.get(architecture, {})
+    family_keys = _FAMILY_READ_KEYS.get(architecture, frozenset())
     for key, value in cfg.items():
+        if key in family_keys:
+            continue
         if key in checked:
             if not checked[key](value):
                 raise ValueError(
@@ -194,7 +280,11 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
     architecture = check_architecture(_architecture(cfg))
     _check_keys(cfg, architecture)
     hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    rope_theta, rope_scaling = _rope(cfg)
+    fields = _family_fields(cfg, architecture)
+    if architecture == "Gemma3ForCausalLM":
+        rope_theta, rope_scaling, fields["sliding_rope_theta"] = _gemma3_rope(cfg)
+    else:
+        rope_theta, rope_scaling = _rope(cfg)
     # Stop ids: config.json's EOS first, then any extra ones generation_config.json lists.
     eos_ids = list(_as_id_tuple(cfg.get("eos_token_id")))
     gen_path = os.path.join(model_dir, "generation_config.json")
@@ -219,5 +309,6 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
         eos_token_ids=tuple(eos_ids),
         architecture=architecture,
         hidden_act=cfg.get("hidden_act", "silu"),
+        **fields,
     )
     return dataclasses.replace(config, **architecture_features(architecture))

@@ -29,6 +29,7 @@ Callers: the worker builds it (through `model/registry.py`) and the model runner
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from pagedinfer.model.arch_config import ModelArchConfig
     from pagedinfer.model.quant import QuantBlocks, QuantizedWeight
 
-__all__ = ["LlamaForCausalLM"]
+__all__ = ["ACTIVATIONS", "LlamaForCausalLM"]
 
 
 class RMSNorm(nn.Module):
@@ -109,16 +110,16 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: ModelArchConfig,
-        layer_idx: int,
+        layer: int,
+        local_idx: int,
         backend: AttentionBackend,
         shard: TPShard,
         tp: GroupCoordinator,
-        layer_name: str = "",
     ) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx = local_idx
         """Index of this layer's KV cache in the forward context (local to the stage)."""
-        self.layer_name = layer_name
+        self.layer_name = kv_layer_name(layer)
         """The layer's global name, under which a KV connector knows its cache."""
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
@@ -137,6 +138,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps)
         self.backend = backend
+        self.options = config.attention_options(layer)
+        """The layer's sliding window and soft cap, passed to the backend every call."""
+        self.local_rope = config.sliding_rope_theta is not None and config.is_sliding(layer)
+        """Whether the layer rotates with the sliding layers' own RoPE base (Gemma 3)."""
         self.ops: Any = None  # C++ layer kernels (enable_fused_ops)
         self.rotary: RotaryEmbedding | None = None  # full tables, for the fused kernel
 
@@ -170,7 +175,7 @@ class LlamaAttention(nn.Module):
         if connector is not None:
             connector.wait_for_layer_load(self.layer_name)
         attn = self.backend.forward(
-            q, k, v, kv_cache, ctx.attn_metadata
+            q, k, v, kv_cache, ctx.attn_metadata, self.options
         )  # [num_tokens, num_heads, head_dim]
         if connector is not None:
             connector.save_kv_layer(self.layer_name, kv_cache)
@@ -178,9 +183,17 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(out)  # row-parallel: sum the ranks' partial products
 
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""The gated MLP's activations: SiLU (SwiGLU: Llama, Qwen, Mistral, Phi-3) and the tanh
+approximation of GELU (GeGLU: Gemma)."""
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelArchConfig, shard: TPShard, tp: GroupCoordinator) -> None:
         super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported ({ACTIVATIONS})")
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.tp = tp
         self.intermediate_size = shard.intermediate_size
         # Fused [gate; up] rows.
@@ -191,10 +204,12 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.ops is not None:
-            out = self.down_proj(self.ops.silu_and_mul(gate_up))
+            act = self.ops.gelu_tanh_and_mul if self.gelu else self.ops.silu_and_mul
+            out = self.down_proj(act(gate_up))
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            out = self.down_proj(gate * up)
         return self.tp.all_reduce(out)  # row-parallel
 
 
@@ -202,15 +217,16 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelArchConfig,
-        layer_idx: int,
+        layer: int,
+        local_idx: int,
         backend: AttentionBackend,
         shard: TPShard,
         tp: GroupCoordinator,
-        layer_name: str = "",
     ) -> None:
+        """Decoder layer `layer` (global index), the `local_idx`-th of its pipeline stage."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, backend, shard, tp, layer_name)
+        self.self_attn = LlamaAttention(config, layer, local_idx, backend, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard, tp)
 
@@ -253,6 +269,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer_class: type[nn.Module] = LlamaDecoderLayer
+    """The decoder layer a family builds (Gemma: `model/gemma.py`'s, with four norms)."""
+
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
@@ -269,19 +288,30 @@ class LlamaForCausalLM(nn.Module):
         if first or (last and tied):
             self.embed_tokens = VocabParallelEmbedding(self.shard, config.hidden_size, self.tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                config, i - self.layer_start, backend, self.shard, self.tp, kv_layer_name(i)
-            )
+            self.decoder_layer_class(config, i, i - self.layer_start, backend, self.shard, self.tp)
             for i in range(self.layer_start, self.layer_end)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
-        self.rotary = RotaryEmbedding.of(config, config.max_position_embeddings)
+        self.rotary_local: RotaryEmbedding | None = None
+        """The sliding layers' RoPE tables, when they have a base of their own (Gemma 3)."""
+        self.build_rotary(config.max_position_embeddings)
         self.lm_head_quant: QuantizedWeight | None = None
         self.lm_head_quant_max_rows = 0
         self.lm_head: nn.Linear | None = None
         if last and not tied:
             self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         self.requires_grad_(False)
+
+    def build_rotary(self, max_position: int) -> None:
+        """RoPE tables for positions [0, max_position), as real tensors (the worker builds
+        the model on the meta device, then calls this)."""
+        config = self.config
+        self.rotary = RotaryEmbedding.of(config, max_position)
+        if config.sliding_rope_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.sliding_rope_theta, rope_scaling=None
+            )
+            self.rotary_local = RotaryEmbedding.of(local, max_position)
 
     @property
     def num_local_layers(self) -> int:
@@ -300,7 +330,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
                 module.ops = ops
             if isinstance(module, LlamaAttention):
-                module.rotary = self.rotary
+                module.rotary = self.rotary_local if module.local_rope else self.rotary
 
     def forward(
         self,
@@ -364,17 +394,26 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None
         if intermediate is None:
             assert self.embed_tokens is not None and self.pp.is_first_rank
-            hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
             residual = None
         else:
             hidden, residual = intermediate
         rope = Rope(self.rotary, positions, hidden.dtype)
+        rope_local = rope
+        if self.rotary_local is not None:
+            rope_local = Rope(self.rotary_local, positions, hidden.dtype)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers[:num_layers]):
-            hidden, residual = layer(hidden, residual, rope)
+            local = layer.self_attn.local_rope
+            hidden, residual = layer(hidden, residual, rope_local if local else rope)
             if i in aux_layers:
                 aux.append(hidden + residual)  # a copy: the next norm adds in place
         return hidden, residual, aux
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] ids -> [num_tokens, hidden_size] inputs of the first layer."""
+        assert self.embed_tokens is not None
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> logits [num_rows, vocab_size] in the model dtype.

@@ -34,7 +34,12 @@ import numpy as np
 import torch
 
 from pagedinfer.gguf_metadata import resolve_model
-from pagedinfer.model.arch_config import ModelArchConfig, RopeScaling
+from pagedinfer.model.arch_config import (
+    FULL_ATTENTION_LAYER,
+    SLIDING_LAYER,
+    ModelArchConfig,
+    RopeScaling,
+)
 from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.hf_config import hf_arch_config, read_json
 from pagedinfer.model.registry import architecture_features, gguf_architecture
@@ -46,6 +51,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "export_hf_dir",
+    "gguf_matrix_types",
+    "path_is_gguf",
     "load_model_config",
     "load_model_weights",
 ]
@@ -90,14 +97,26 @@ _GGUF_READ_KEYS = frozenset(
         "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "vocab_size",
     }
 )  # fmt: skip
+_GGUF_FAMILY_KEYS: dict[str, frozenset[str]] = {
+    # A window over every layer (Mistral); qwen2/qwen3 files with one are refused: their
+    # window covers only some layers, which llama.cpp's metadata does not say.
+    "llama": frozenset({"attention.sliding_window"}),
+    "gemma2": frozenset(
+        {"attention.sliding_window", "attention.sliding_window_pattern",
+         "attn_logit_softcapping", "final_logit_softcapping"}
+    ),
+    "gemma3": frozenset({"attention.sliding_window", "attention.sliding_window_pattern"}),
+}  # fmt: skip
+"""More `{arch}.` keys read for one llama.cpp architecture."""
 """The `{arch}.` metadata keys the GGUF reader reads or checks; any other `{arch}.` key
 (llama.cpp's names for experts, sliding windows, soft caps, RoPE scaling...) is refused,
 named, since it may change the model's outputs."""
 
 
 def _check_gguf_keys(meta: dict[str, Any], arch: str) -> None:
+    known = _GGUF_READ_KEYS | _GGUF_FAMILY_KEYS.get(arch, frozenset())
     for name in meta:
-        if name.startswith(f"{arch}.") and name[len(arch) + 1 :] not in _GGUF_READ_KEYS:
+        if name.startswith(f"{arch}.") and name[len(arch) + 1 :] not in known:
             raise ValueError(
                 f"GGUF metadata {name} = {meta[name]!r} is not supported: pagedinfer does not "
                 "implement it, and it may change the model's outputs"
@@ -158,6 +177,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
     if eos is None:
         raise ValueError("GGUF metadata lacks tokenizer.ggml.eos_token_id")
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    fields = _gguf_family_fields(meta, arch, architecture, hidden, num_heads, head_dim)
     config = ModelArchConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -174,8 +194,47 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=(int(eos),),
         architecture=architecture,
+        **fields,
     )
     return dataclasses.replace(config, **architecture_features(architecture))
+
+
+def _gguf_family_fields(
+    meta: dict[str, Any],
+    arch: str,
+    architecture: str,
+    hidden: int,
+    num_heads: int,
+    head_dim: int,
+) -> dict[str, Any]:
+    """The `ModelArchConfig` fields of a family's own metadata (windows, soft caps), and
+    what llama.cpp fixes per family instead of storing it (as its model loader does)."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    fields: dict[str, Any] = {}
+    if window is not None:
+        # Every layer slides unless the family interleaves global layers (below). llama.cpp's
+        # converter writes no window for Mistral (and runs it without one); a file that
+        # has one here gets it.
+        fields["sliding_window"] = int(window)
+    if arch in ("gemma2", "gemma3"):
+        layers = int(meta[f"{arch}.block_count"])
+        pattern = 2 if arch == "gemma2" else 6  # every pattern-th layer is global
+        fields["layer_types"] = tuple(
+            FULL_ATTENTION_LAYER if (i + 1) % pattern == 0 else SLIDING_LAYER for i in range(layers)
+        )
+        if window is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.attention.sliding_window")
+        # The 27B models scale scores by (hidden / heads) ** -0.5, the others by
+        # head_dim ** -0.5 (llama.cpp tells them apart by their layer count: 46 / 62).
+        big = (arch, layers) in (("gemma2", 46), ("gemma3", 62))
+        fields["query_pre_attn_scalar"] = float(hidden // num_heads if big else head_dim)
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if meta.get(f"{arch}.{key}") is not None:
+                fields[key] = float(meta[f"{arch}.{key}"])
+    if arch == "gemma3":
+        fields["sliding_rope_theta"] = 10000.0  # llama.cpp's fixed local base
+    return fields
 
 
 def _load_gguf(
@@ -190,7 +249,7 @@ def _load_gguf(
     for name in gguf.tensor_names:
         if name == ROPE_FREQS:
             continue  # read into the config (`_gguf_rope_scaling`)
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, config.gemma_norms)
         if wanted is not None and not wanted(hf_name):
             continue
         span = rows(hf_name) if rows is not None else None
@@ -223,7 +282,7 @@ def load_quant_blocks(
     for name in gguf.tensor_names:
         if name == ROPE_FREQS:
             continue  # read into the config (`_gguf_rope_scaling`)
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, config.gemma_norms)
         if wanted is not None and not wanted(hf_name):
             continue
         blocks = gguf.load_quant_blocks(name)
@@ -240,6 +299,23 @@ def load_quant_blocks(
             blocks = blocks.take_rows(order)
         out[hf_name] = blocks
     return out
+
+
+def path_is_gguf(path: str | os.PathLike[str] | None) -> bool:
+    """Whether a model argument names a GGUF file."""
+    return _is_gguf(_resolve(path))
+
+
+def gguf_matrix_types(path: str | os.PathLike[str] | None) -> str:
+    """The ggml types of a GGUF file's matrices with their counts, e.g. "Q5_0 x81, Q4_K
+    x27" (most frequent first), for log lines."""
+    gguf = GGUFFile(_resolve(path))
+    counts: dict[str, int] = {}
+    for name in gguf.tensor_names:
+        if len(gguf.tensor_shape(name)) == 2:
+            kind = gguf.tensor_type(name)
+            counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,6 +347,11 @@ def _load_hf_dir(
     config = hf_arch_config(model_dir, has_lm_head="lm_head.weight" in weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if config.gemma_norms:
+        # Gemma's norms scale by (1 + weight): the model holds the multiplier (as GGUF
+        # files do), computed in float32 as transformers does.
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = (weights[name].float() + 1.0).to(dtype)
     return config, weights
 
 

@@ -38,12 +38,18 @@ _MODELS: dict[str, tuple[str, str]] = {
     # The same decoder with QKV biases (Qwen2) or QK-norm (Qwen3), set by the config.
     "Qwen2ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+    # Llama with a sliding window over every layer (the config's `sliding_window`).
+    "MistralForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("pagedinfer.model.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("pagedinfer.model.gemma", "GemmaForCausalLM"),
 }
 """HF architecture name -> (module, class name)."""
 
 _FEATURES: dict[str, dict[str, object]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Gemma2ForCausalLM": {"gemma_norms": True, "hidden_act": "gelu_pytorch_tanh"},
+    "Gemma3ForCausalLM": {"gemma_norms": True, "qk_norm": True, "hidden_act": "gelu_pytorch_tanh"},
 }
 """Architecture -> the `ModelArchConfig` fields it implies (beyond Llama's defaults),
 whichever format the checkpoint comes in."""
@@ -52,9 +58,11 @@ _GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
-"""GGUF `general.architecture` -> HF architecture name."""
-
+"""GGUF `general.architecture` -> HF architecture name. (llama.cpp converts Mistral
+checkpoints to its `llama` architecture.)"""
 
 _MIXTURE_OF_EXPERTS = frozenset(
     {

@@ -55,17 +55,26 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    # Gemma's four norms: llama.cpp's `ffn_norm` is the one before the MLP here.
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """A llama.cpp tensor name -> its Hugging Face name; ValueError if it has none."""
+def gguf_to_hf_name(name: str, gemma_norms: bool = False) -> str:
+    """A llama.cpp tensor name -> its Hugging Face name (Gemma's layer norms named as
+    Gemma's when `gemma_norms`); ValueError if it has none."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if gemma_norms else _GGUF_LAYER_NAMES
     match = _GGUF_LAYER_RE.match(name)
-    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         raise ValueError(f"GGUF tensor {name!r} is not supported (no equivalent in the model)")
-    return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
 @torch.no_grad()

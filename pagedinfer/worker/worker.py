@@ -29,12 +29,14 @@ from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, in
 from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import (
+    gguf_matrix_types,
     load_model_config,
     load_model_weights,
     load_quant_blocks,
+    path_is_gguf,
 )
 from pagedinfer.model.registry import get_model_class
-from pagedinfer.model.sharding import TPShard, load_plan
+from pagedinfer.model.sharding import PROJECTIONS, TPShard, load_plan
 from pagedinfer.platform import HeapTrimmer, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
@@ -172,7 +174,7 @@ class Worker:
         with torch.device("meta"):
             model = model_class(arch, backend)
         # RoPE tables: real buffers, computed here.
-        model.rotary = type(model.rotary).of(arch, max(arch.max_position_embeddings, max_position))
+        model.build_rotary(max(arch.max_position_embeddings, max_position))
         model.load_weights(state_dict)
         del state_dict
         max_rows = self.config.model_config.quant_max_tokens
@@ -182,6 +184,19 @@ class Worker:
             num_quant = model.load_quantized(
                 blocks, backend.kernel, max_rows, quantize_lm_head=self.dtype != torch.float32
             )
+            dense = model.num_local_layers * len(PROJECTIONS) + int(model.pp.is_last_rank)
+            dense -= num_quant
+            if dense > 0 and path_is_gguf(path):
+                # Say it: the file is quantised, but these matrices are not run that way.
+                logger.info(
+                    "%d of the model's matrices run dense (dequantised to %s) at every batch "
+                    "size: the quantised kernels take Q4_0, Q4_1 and Q8_0 blocks, and a fused "
+                    "projection only when its parts share one format (matrix types in this "
+                    "file: %s).",
+                    dense,
+                    str(self.dtype).removeprefix("torch."),
+                    gguf_matrix_types(path),
+                )
             if num_quant:
                 logger.info(
                     "Quantised weights (the file's own blocks) for steps of <= %d tokens on "

@@ -5,7 +5,8 @@ preemption, prefix-cache hits and tensor parallelism.
 The checkpoints are tiny random-weight models built by transformers itself
 (`tests/model/families.py`): 6 query heads over 2 KV heads, the family's own features (QKV
 biases for Qwen2, QK-norm for Qwen3, Llama 3.1's and YaRN's RoPE scaling), converted to
-GGUF under llama.cpp's names.
+GGUF under llama.cpp's names. The windowed families (Mistral, Qwen2's sliding layers, Gemma)
+have windows of 20-24 tokens, shorter than every prompt and than a chunk of them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from tests.model.families import FAMILIES, convert_to_gguf, make_family_dir, ref
 pytestmark = pytest.mark.integration
 
 MAX_NEW = 10
-BLOCK_BYTES = 3 * 2 * 2 * 16 * 4 * 16  # layers * (k, v) * kv heads * head_dim * fp32 * 16 tokens
+
+
+def _block_bytes(hf_dir: str) -> int:
+    """One KV block of the checkpoint: layers * (k, v) * kv heads * head_dim * fp32 * 16."""
+    import json
+    import os
+
+    cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 4 * 16
 
 
 def _prompts() -> list[list[int]]:
@@ -89,7 +99,7 @@ def test_family_matches_transformers_through_every_path(checkpoint: Checkpoint, 
         dtype="float32",
         max_model_len=160,
         max_num_batched_tokens=32,  # every prompt is prefilled in chunks, beside decodes
-        kv_cache_memory_bytes=14 * BLOCK_BYTES,
+        kv_cache_memory_bytes=14 * _block_bytes(checkpoint.hf_dir),
     ) as llm:
         outs = _generate(llm, _prompts())
         assert [list(o.outputs[0].token_ids) for o in outs] == checkpoint.expected
@@ -99,13 +109,54 @@ def test_family_matches_transformers_through_every_path(checkpoint: Checkpoint, 
     assert max(o.num_cached_tokens for o in hits) >= 32
 
 
-@pytest.mark.parametrize("checkpoint", ["qwen2"], indirect=True)
-def test_family_matches_transformers_with_tensor_parallelism(checkpoint: Checkpoint) -> None:
-    """TP=2 over 6 query / 2 KV heads, each rank reading its rows of the GGUF file and its
-    slices of the QKV biases. Llama's TP is tested on the real model
-    (tests/integration/test_executors.py); QK-norm is per head, the same on every rank."""
+PARALLEL = [("qwen2", 2, 1), ("gemma3", 2, 1), ("gemma2", 1, 2)]
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "tp", "pp"), PARALLEL, indirect=["checkpoint"],
+    ids=[f"{f}-tp{t}-pp{p}" for f, t, p in PARALLEL],
+)  # fmt: skip
+def test_family_matches_transformers_in_parallel(checkpoint: Checkpoint, tp: int, pp: int) -> None:
+    """TP=2 over 6 query / 2 KV heads, each rank reading its rows of the GGUF file (and its
+    slices of Qwen2's QKV biases; Gemma 3's windowed and global layers, QK-norm per head);
+    PP=2 splits Gemma 2's sliding and global layers over two stages. Llama's TP is tested
+    on the real model (tests/integration/test_executors.py)."""
     from pagedinfer import LLM
 
-    with LLM(checkpoint.gguf, dtype="float32", max_model_len=256, tensor_parallel_size=2) as llm:
+    with LLM(
+        checkpoint.gguf, dtype="float32", max_model_len=256, tensor_parallel_size=tp,
+        pipeline_parallel_size=pp, max_num_batched_tokens=48,
+    ) as llm:  # fmt: skip
         outs = _generate(llm, _prompts())
     assert [list(o.outputs[0].token_ids) for o in outs] == checkpoint.expected
+
+
+SPECULATIVE = [("mistral", "ngram"), ("gemma3", "ngram"), ("gemma2", "draft")]
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "method"), SPECULATIVE, indirect=["checkpoint"],
+    ids=[f"{f}-{m}" for f, m in SPECULATIVE],
+)  # fmt: skip
+def test_family_speculative_decoding_keeps_greedy_outputs(
+    checkpoint: Checkpoint, method: str
+) -> None:
+    """Speculation over windowed layers: verifying k drafted tokens is a chunk of k + 1
+    rows, each with its own window; the accepted tokens must be the greedy ones."""
+    from pagedinfer import LLM
+
+    # Repeated 12-token runs (48-60 tokens): the n-gram proposer finds matches in them.
+    prompts = [p[:12] * (4 + i % 2) for i, p in enumerate(_prompts())]
+    expected = reference_greedy(checkpoint.hf_dir, prompts, MAX_NEW)
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    else:  # the model's own first layer drafts (self-speculation)
+        spec = {"method": "draft_model", "num_speculative_tokens": 2, "draft_layers": 1}
+    spec["disable_by_batch_size"] = None  # speculate in the batched steps too
+    with LLM(
+        checkpoint.hf_dir, dtype="float32", max_model_len=256, speculative_config=spec,
+        log_stats_interval_s=0,
+    ) as llm:  # fmt: skip
+        outs = _generate(llm, prompts)
+        assert llm.get_stats()["spec_num_draft_tokens"] > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected

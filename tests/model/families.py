@@ -60,6 +60,34 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    "rope_theta": 1000000.0,
                    "rope": {"rope_type": "yarn", "factor": 4.0,
                             "original_max_position_embeddings": 64}},
+    # A window (24) smaller than every prompt (30-120) and than a chunk of them. llama.cpp
+    # converts Mistral to its `llama` architecture; the window travels as
+    # llama.attention.sliding_window.
+    "mistral": {"config": "MistralConfig", "model": "MistralForCausalLM", "gguf_arch": "llama",
+                "rope_theta": 10000.0, "extra": {"sliding_window": 24}},
+    # Qwen2's sliding layers: those from max_window_layers up (1 and 2 here). llama.cpp's
+    # qwen2 has no per-layer window, so this variant has no GGUF form.
+    "qwen2-swa": {"config": "Qwen2Config", "model": "Qwen2ForCausalLM", "gguf_arch": None,
+                  "rope_theta": 1000000.0,
+                  "extra": {"use_sliding_window": True, "sliding_window": 20,
+                            "max_window_layers": 1}},
+    # Sliding (20), global, sliding; soft caps low enough to bend the random model's scores
+    # and logits; query_pre_attn_scalar = head_dim, as llama.cpp assumes for all but 27B.
+    "gemma2": {"config": "Gemma2Config", "model": "Gemma2ForCausalLM", "gguf_arch": "gemma2",
+               "rope_theta": 10000.0, "tie": True,
+               "extra": {"sliding_window": 20, "query_pre_attn_scalar": 16,
+                         "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                         "hidden_activation": "gelu_pytorch_tanh"}},
+    # Six layers: five sliding (window 20, RoPE base 10k) and a global one (base 1M), the
+    # 5:1 pattern llama.cpp fixes for gemma3.
+    "gemma3": {"config": "Gemma3TextConfig", "model": "Gemma3ForCausalLM", "gguf_arch": "gemma3",
+               "rope_theta": 1000000.0, "tie": True,
+               "rope_parameters": {"full_attention": {"rope_type": "default",
+                                                      "rope_theta": 1000000.0},
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 10000.0}},
+               "extra": {"sliding_window": 20, "query_pre_attn_scalar": 16,
+                         "num_hidden_layers": 6, "hidden_activation": "gelu_pytorch_tanh"}},
 }  # fmt: skip
 """family -> transformers classes, llama.cpp architecture and its own config values."""
 
@@ -69,7 +97,13 @@ def _config(family: str) -> Any:
 
     spec = FAMILIES[family]
     rope = {**spec.get("rope", {"rope_type": "default"}), "rope_theta": spec["rope_theta"]}
-    kwargs = {**_BASE, "rope_parameters": rope}
+    kwargs = {
+        **_BASE,
+        "rope_parameters": spec.get("rope_parameters", rope),
+        **spec.get("extra", {}),
+    }
+    if spec.get("tie"):
+        kwargs["tie_word_embeddings"] = True
     if spec["config"] == "Qwen2Config":
         kwargs.pop("head_dim")  # Qwen2 derives it: hidden / heads
         kwargs["hidden_size"] = _BASE["num_attention_heads"] * _BASE["head_dim"]
@@ -87,7 +121,9 @@ def make_family_dir(family: str, path: str, seed: int = 0) -> str:
     model = getattr(transformers, FAMILIES[family]["model"])(_config(family))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and family.startswith("gemma"):
+                param.copy_(0.1 * torch.randn_like(param))  # Gemma scales by 1 + weight
+            elif name.endswith("norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
@@ -136,8 +172,11 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
     from pagedinfer.tokenizer import _byte_alphabet
 
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
-    arch_name = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}[cfg["architectures"][0]]  # fmt: skip
+    arch_name = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3"}[cfg["architectures"][0]]  # fmt: skip
+    gemma = arch_name.startswith("gemma")
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     n_layers = cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -155,7 +194,15 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     rope = cfg["rope_parameters"]
+    if arch_name == "gemma3":
+        rope = rope["full_attention"]  # the sliding layers' base is llama.cpp's fixed 10k
+        assert cfg["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
     writer.add_rope_freq_base(rope["rope_theta"])
+    if cfg.get("sliding_window") is not None:
+        writer.add_sliding_window(cfg["sliding_window"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            getattr(writer, f"add_{key}")(cfg[key])
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, rope))
     elif rope["rope_type"] != "default":
@@ -179,6 +226,8 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
             tensor = _permute_like_llama_cpp(tensor, heads)
         elif arch_name == "llama" and hf_name.endswith("k_proj.weight"):
             tensor = _permute_like_llama_cpp(tensor, kv_heads)
+        elif gemma and hf_name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp's converter stores Gemma's 1 + weight
         writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedinfer.attention.backend import CommonAttentionMetadata
+from pagedinfer.attention.backend import AttentionOptions, CommonAttentionMetadata
 from pagedinfer.attention.cpu_sdpa import CpuSdpaBackend
 from pagedinfer.attention.torch_ref import TorchRefBackend, context_slots
 
@@ -260,3 +260,85 @@ def test_paged_kernel_on_model_shapes(
     # The kernel computes in float32 and rounds its output once.
     atol = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.float(), out_ref, atol=atol, rtol=0)
+
+
+def test_reference_with_window_and_soft_cap_equals_dense_attention() -> None:
+    """The oracle with options: one fresh prefill equals dense attention with a banded
+    causal mask and tanh-capped scores, written out here."""
+    torch.manual_seed(1)
+    n, window, cap = 13, 4, 2.0
+    common, q, k, v, cache = _batch_from([n], [n])
+    scale = HEAD_DIM**-0.5
+    ref = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    options = AttentionOptions(sliding_window=window, logits_soft_cap=cap)
+    out = ref.forward(q, k, v, cache, common, options)
+    kk, vv = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    scores = cap * torch.tanh(scores / cap)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    scores = scores.masked_fill((j > i) | (j <= i - window), float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    plain = ref.forward(q, k, v, cache, common)
+    assert not torch.allclose(out, plain, atol=1e-3)  # the options changed something
+
+
+_OPTIONS = [
+    AttentionOptions(sliding_window=1),
+    AttentionOptions(sliding_window=5),
+    AttentionOptions(sliding_window=24),
+    AttentionOptions(logits_soft_cap=3.0),
+    AttentionOptions(sliding_window=7, logits_soft_cap=3.0),
+]
+
+
+def _mixed_batch_for_windows(dtype: torch.dtype = torch.float32):
+    """Fresh prefills, chunks over cached prefixes and decodes, with contexts shorter
+    than, equal to and several blocks longer than the windows of `_OPTIONS`."""
+    query_lens = [1, 1, 1, 1, 1, 9, 30, 6, 3, 12, 1]
+    seq_lens = [1, 5, 6, 40, 120, 9, 30, 40, 80, 12, 25]
+    return _batch_from(query_lens, seq_lens, dtype)
+
+
+@pytest.mark.parametrize("options", _OPTIONS, ids=repr)
+@pytest.mark.parametrize("backend", ["cpu_sdpa", "cpu_paged"])
+def test_window_and_soft_cap_match_reference(options: AttentionOptions, backend: str) -> None:
+    torch.manual_seed(5)
+    common, q, k, v, cache = _mixed_batch_for_windows()
+    scale = HEAD_DIM**-0.5
+    ref = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    fast = (
+        CpuSdpaBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+        if backend == "cpu_sdpa"
+        else _paged_backend(scale)
+    )
+    metadata = fast.build(common)
+    out_ref = ref.forward(q, k, v, cache.clone(), ref.build(common), options)
+    # Two layers of one step, windowed then plain, share the metadata (the windowed masks
+    # are cached in it): each must still equal its own reference.
+    out_fast = fast.forward(q, k, v, cache.clone(), metadata, options)
+    torch.testing.assert_close(out_fast, out_ref, atol=1e-4, rtol=0)
+    out_plain = fast.forward(q, k, v, cache.clone(), metadata)
+    torch.testing.assert_close(
+        out_plain, ref.forward(q, k, v, cache.clone(), ref.build(common)), atol=1e-4, rtol=0
+    )
+    assert not torch.allclose(out_fast, out_plain, atol=1e-3)
+
+
+def test_window_and_soft_cap_bf16() -> None:
+    torch.manual_seed(6)
+    common, q, k, v, cache = _mixed_batch_for_windows(torch.bfloat16)
+    scale = HEAD_DIM**-0.5
+    options = AttentionOptions(sliding_window=7, logits_soft_cap=3.0)
+    ref = TorchRefBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale)
+    out_ref = ref.forward(q, k, v, cache.clone(), ref.build(common), options)
+    for fast in (CpuSdpaBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale), _paged_backend(scale)):
+        out = fast.forward(q, k, v, cache.clone(), fast.build(common), options)
+        torch.testing.assert_close(out.float(), out_ref.float(), atol=3e-2, rtol=0)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="sliding_window"):
+        AttentionOptions(sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        AttentionOptions(logits_soft_cap=-1.0)

@@ -77,15 +77,71 @@ def test_llama_fields_the_model_lacks_are_refused_by_name(
         hf_arch_config(str(tmp_path), has_lm_head=True)
 
 
-def test_mistral_with_a_sliding_window_is_refused(tmp_path: Path) -> None:
-    # It used to load as Llama and generate wrong tokens: the window was ignored.
+def test_mistral_sliding_window_is_read_for_every_layer(tmp_path: Path) -> None:
+    # It used to load as Llama and generate wrong tokens: the window was ignored. Now it is
+    # the layers' window (tests/integration/test_model_families.py: token parity).
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(_tiny(transformers.MistralConfig, sliding_window=24))
     model.save_pretrained(str(tmp_path))
-    for load in (load_model_config, lambda p: load_model_weights(p, torch.float32)):
-        with pytest.raises(ValueError, match="'MistralForCausalLM' is not supported"):
-            load(str(tmp_path))
+    for load in (load_model_config, lambda p: load_model_weights(p, torch.float32)[0]):
+        config = load(str(tmp_path))
+        assert config.sliding_window == 24 and config.layer_types is None
+        assert [config.attention_options(i).sliding_window for i in range(2)] == [24, 24]
+
+
+def test_qwen2_slides_only_with_use_sliding_window_from_max_window_layers(tmp_path: Path) -> None:
+    off = _tiny(transformers.Qwen2Config, sliding_window=16, num_hidden_layers=3)
+    assert hf_arch_config(_save(off, tmp_path / "off"), True).sliding_window is None
+    on = _tiny(
+        transformers.Qwen2Config, use_sliding_window=True, sliding_window=16,
+        max_window_layers=1, num_hidden_layers=3,
+    )  # fmt: skip
+    config = hf_arch_config(_save(on, tmp_path / "on"), True)
+    assert [config.attention_options(i).sliding_window for i in range(3)] == [None, 16, 16]
+
+
+def test_gemma_configs_are_read(tmp_path: Path) -> None:
+    g2 = _tiny(
+        transformers.Gemma2Config, head_dim=16, num_hidden_layers=4, sliding_window=8,
+        query_pre_attn_scalar=24, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    )  # fmt: skip
+    config = hf_arch_config(_save(g2, tmp_path / "g2"), False)
+    assert config.architecture == "Gemma2ForCausalLM" and config.gemma_norms
+    assert [config.is_sliding(i) for i in range(4)] == [True, False, True, False]
+    assert config.attention_options(1).logits_soft_cap == 50.0
+    assert (config.final_logit_softcapping, config.attention_scale) == (30.0, 24**-0.5)
+    g3 = _tiny(transformers.Gemma3TextConfig, head_dim=16, num_hidden_layers=7, sliding_window=8)
+    config = hf_arch_config(_save(g3, tmp_path / "g3"), False)
+    assert [config.is_sliding(i) for i in range(7)] == [True] * 5 + [False, True]
+    assert (config.rope_theta, config.sliding_rope_theta, config.qk_norm) == (1e6, 1e4, True)
+    assert config.hidden_act == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize(
+    ("cls", "change", "named"),
+    [
+        ("Gemma2Config", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+        ("Gemma3TextConfig", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        (
+            "Gemma3TextConfig",
+            {"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+            }},
+            "sliding layers' RoPE must be plain",
+        ),
+        ("MistralConfig", {"layer_types": ["sliding_attention"] * 2}, "field 'layer_types'"),
+    ],
+)  # fmt: skip
+def test_family_fields_the_model_lacks_are_refused_by_name(
+    tmp_path: Path, cls: str, change: dict[str, Any], named: str
+) -> None:
+    _save(_tiny(getattr(transformers, cls), head_dim=16), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=named):
+        hf_arch_config(str(tmp_path), has_lm_head=False)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +149,10 @@ def test_mistral_with_a_sliding_window_is_refused(tmp_path: Path) -> None:
 )
 def test_mixture_of_experts_is_refused_as_such(tmp_path: Path, cls: type) -> None:
     path = _save(_tiny(cls), tmp_path)
-    with pytest.raises(ValueError, match="mixture-of-experts model.*supported: 'LlamaForCausalLM'"):
+    with pytest.raises(
+        ValueError,
+        match="mixture-of-experts model.*supported: 'Gemma2ForCausalLM'.*'LlamaForCausalLM'",
+    ):
         hf_arch_config(path, has_lm_head=True)
 
 
@@ -105,7 +164,7 @@ def _tiny_gguf_weights() -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("expert_count", 8), ("attention.sliding_window", 24), ("rope.scaling.factor", 8.0)],
+    [("expert_count", 8), ("attention.sliding_window_pattern", 2), ("rope.scaling.factor", 8.0)],
 )
 def test_gguf_metadata_the_model_lacks_is_refused_by_name(
     tmp_path: Path, key: str, value: Any

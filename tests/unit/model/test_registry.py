@@ -14,16 +14,23 @@ from pagedinfer.model.registry import (
     supported_architectures,
 )
 
-SUPPORTED = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+LLAMA_LIKE = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+GEMMA = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
 
 
 def test_supported_families_resolve_to_the_decoder() -> None:
+    from pagedinfer.model.gemma import GemmaForCausalLM
     from pagedinfer.model.llama import LlamaForCausalLM
 
-    assert supported_architectures() == SUPPORTED
-    assert all(get_model_class(name) is LlamaForCausalLM for name in SUPPORTED)
-    assert [gguf_architecture(n) for n in ("llama", "qwen2", "qwen3")] == SUPPORTED
+    assert supported_architectures() == sorted(LLAMA_LIKE + GEMMA)
+    assert all(get_model_class(name) is LlamaForCausalLM for name in LLAMA_LIKE)
+    assert all(get_model_class(name) is GemmaForCausalLM for name in GEMMA)
+    names = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+    assert [gguf_architecture(n) for n in names] == [
+        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA
+    ]  # fmt: skip
     assert architecture_features("LlamaForCausalLM") == {}
+    assert architecture_features("Gemma3ForCausalLM")["gemma_norms"] is True
     assert architecture_features("Qwen2ForCausalLM") == {"qkv_bias": True}
     assert architecture_features("Qwen3ForCausalLM") == {"qk_norm": True}
 
@@ -31,7 +38,7 @@ def test_supported_families_resolve_to_the_decoder() -> None:
 def test_unknown_hf_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"'FalconForCausalLM' is not supported \(supported: "):
         get_model_class("FalconForCausalLM")
-    with pytest.raises(ValueError, match="'LlamaForCausalLM', 'Qwen2ForCausalLM'"):
+    with pytest.raises(ValueError, match="'LlamaForCausalLM', 'MistralForCausalLM'"):
         check_architecture("GPT2LMHeadModel")
 
 
@@ -46,6 +53,7 @@ def test_mixture_of_experts_is_named_as_such() -> None:
 def test_unknown_gguf_architecture_lists_the_supported_ones(name: str | None) -> None:
     with pytest.raises(
         ValueError,
-        match=r"GGUF architecture .* is not supported \(supported: 'llama', 'qwen2', 'qwen3'\)",
+        match=r"GGUF architecture .* is not supported \(supported: 'gemma2', 'gemma3', 'llama', "
+        r"'qwen2', 'qwen3'\)",
     ):
         gguf_architecture(name)

