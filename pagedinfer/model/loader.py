@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "export_hf_dir",
-    "gguf_matrix_types",
+    "gguf_matrix_type_counts",
     "path_is_gguf",
     "load_model_config",
     "load_model_weights",
@@ -306,16 +306,16 @@ def path_is_gguf(path: str | os.PathLike[str] | None) -> bool:
     return _is_gguf(_resolve(path))
 
 
-def gguf_matrix_types(path: str | os.PathLike[str] | None) -> str:
-    """The ggml types of a GGUF file's matrices with their counts, e.g. "Q5_0 x81, Q4_K
-    x27" (most frequent first), for log lines."""
+def gguf_matrix_type_counts(path: str | os.PathLike[str] | None) -> list[tuple[str, int]]:
+    """(ggml type, number of matrices) of a GGUF file, most frequent first (for the
+    worker's log line on matrices that run dense)."""
     gguf = GGUFFile(_resolve(path))
     counts: dict[str, int] = {}
     for name in gguf.tensor_names:
         if len(gguf.tensor_shape(name)) == 2:
             kind = gguf.tensor_type(name)
             counts[kind] = counts.get(kind, 0) + 1
-    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return sorted(counts.items(), key=lambda kv: -kv[1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, in
 from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import (
-    gguf_matrix_types,
+    gguf_matrix_type_counts,
     load_model_config,
     load_model_weights,
     load_quant_blocks,
@@ -42,6 +42,9 @@ from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+_FLOAT_MATRIX_TYPES = frozenset({"F32", "F16", "BF16"})
+"""GGUF matrix types that are not quantised."""
 
 __all__ = ["Worker", "resolve_dtype", "kv_cache_bytes_per_block"]
 
@@ -127,6 +130,9 @@ class Worker:
             num_attention_heads=model.shard.num_heads,
             num_key_value_heads=model.shard.num_kv_heads,
             num_hidden_layers=model.num_local_layers,
+            layer_types=None
+            if arch.layer_types is None
+            else arch.layer_types[model.layer_start : model.layer_end],
         )
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model" and spec.model is not None:
@@ -186,7 +192,8 @@ class Worker:
             )
             dense = model.num_local_layers * len(PROJECTIONS) + int(model.pp.is_last_rank)
             dense -= num_quant
-            if dense > 0 and path_is_gguf(path):
+            types = gguf_matrix_type_counts(path) if path_is_gguf(path) else []
+            if dense > 0 and {kind for kind, _ in types} - _FLOAT_MATRIX_TYPES:
                 # Say it: the file is quantised, but these matrices are not run that way.
                 logger.info(
                     "%d of the model's matrices run dense (dequantised to %s) at every batch "
@@ -195,7 +202,7 @@ class Worker:
                     "file: %s).",
                     dense,
                     str(self.dtype).removeprefix("torch."),
-                    gguf_matrix_types(path),
+                    ", ".join(f"{kind} x{n}" for kind, n in types),
                 )
             if num_quant:
                 logger.info(
@@ -260,8 +267,8 @@ class Worker:
             draft_model = DraftModel(draft, draft_backend, self._kv_caches(draft_arch, num_blocks))
         head_kv_cache = None
         if self._eagle():  # one layer shaped as the target's
-            head_kv_cache = self._kv_caches(dataclasses.replace(arch, num_hidden_layers=1),
-                                            num_blocks)[0]  # fmt: skip
+            one_layer = dataclasses.replace(arch, num_hidden_layers=1, layer_types=None)
+            head_kv_cache = self._kv_caches(one_layer, num_blocks)[0]
         kv_connector = create_connector(self.config, KVConnectorRole.WORKER)
         if kv_connector is not None:
             start = self.model.layer_start

@@ -77,7 +77,7 @@ def test_greedy_float32_matches_transformers_on_the_same_file(hf_reference) -> N
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess(
-        "--model", "gemma-3-270m", "--dtype", "bfloat16", "--max-model-len", "1024",
+        "gemma-3-270m", "--dtype", "bfloat16", "--max-model-len", "1024",
         "--kv-cache-memory-bytes", str(64 * 2**20),
     )  # fmt: skip
     yield proc
@@ -123,3 +123,64 @@ def test_served_in_bf16_to_the_openai_client(server) -> None:
         model=model, prompt="量子力学は", max_tokens=16, temperature=0.0
     )
     assert streamed == whole.choices[0].text  # byte-fallback pieces joined in the stream
+
+
+def test_kv_connector_and_trace_on_gemma(tmp_path) -> None:
+    """A producer stores each prompt's KV (all 18 layers, windowed or not) through the
+    shared-storage connector, a consumer loads it and decodes the same tokens as one
+    instance; the producer's trace records every step."""
+    from pagedinfer import LLM, SamplingParams
+
+    prompts = [p * 8 for p in PROMPTS[:3]]  # 40-90 tokens: several blocks each
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    engine = {"dtype": "bfloat16", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}
+    with LLM("gemma-3-270m", **engine) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def kv(role: str) -> dict:
+        extra = {"shared_storage_path": str(tmp_path / "kv")}
+        return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                "kv_connector_extra_config": extra}  # fmt: skip
+
+    trace = tmp_path / "trace.jsonl"
+    with LLM("gemma-3-270m", kv_transfer_config=kv("kv_producer"), trace_path=str(trace),
+             **engine) as producer:  # fmt: skip
+        producer.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    with LLM("gemma-3-270m", kv_transfer_config=kv("kv_consumer"), enable_prefix_caching=False,
+             **engine) as consumer:  # fmt: skip
+        outs = consumer.generate(prompts, params, use_tqdm=False)
+        loaded = consumer.get_stats().get("kv_num_loaded_tokens", 0)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert loaded >= sum(len(o.prompt_token_ids) for o in outs) - 3 * 16  # whole blocks
+    steps = [json.loads(line) for line in trace.read_text().splitlines()[1:]]
+    scheduled = sum(e["tokens"] for s in steps for e in s["scheduled"])
+    assert scheduled == sum(len(o.prompt_token_ids) for o in outs)
+
+
+def test_bench_latency_on_gemma(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedinfer", "bench", "latency", "gemma-3-270m",
+         "--input-len", "16", "--output-len", "8", "--batch-size", "2",
+         "--num-iters-warmup", "1", "--num-iters", "2", "--disable-tqdm",
+         "--output-json", str(tmp_path / "f.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert len(result["latencies"]) == 2 and all(x > 0 for x in result["latencies"])
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_draft_heads_of_another_model_are_refused(method: str) -> None:
+    """The shipped heads were trained on SmolLM2's hidden states: on Gemma they are
+    refused, naming what they were trained for."""
+    from pagedinfer import LLM
+    from pagedinfer.config import SHIPPED_HEADS_DIR
+
+    heads = os.path.join(SHIPPED_HEADS_DIR, f"smollm2-135m-instruct-{method}.safetensors")
+    spec = {"method": method, "num_speculative_tokens": 2, "model": heads}
+    with pytest.raises(ValueError, match="was trained for a model with hidden size 576"):
+        LLM("gemma-3-270m", speculative_config=spec)

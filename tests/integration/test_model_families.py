@@ -160,3 +160,28 @@ def test_family_speculative_decoding_keeps_greedy_outputs(
         outs = _generate(llm, prompts)
         assert llm.get_stats()["spec_num_draft_tokens"] > 0
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+@pytest.mark.parametrize("checkpoint", ["gemma2"], indirect=True)
+def test_final_logit_soft_cap_reaches_the_logprobs(checkpoint: Checkpoint) -> None:
+    """A soft cap on the logits keeps the greedy token (tanh is monotone) but not the
+    logprobs: they must be transformers' capped ones."""
+    import torch
+    import transformers
+
+    from pagedinfer import LLM, SamplingParams
+
+    prompts = _prompts()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint.hf_dir, dtype=torch.float32
+    )
+    with torch.no_grad():
+        expected = [
+            torch.log_softmax(model(torch.tensor([p])).logits[0, -1], -1).max().item()
+            for p in prompts
+        ]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    with LLM(checkpoint.gguf, dtype="float32", max_model_len=160) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [next(iter(o.outputs[0].logprobs[0].values())).logprob for o in outs]
+    assert got == pytest.approx(expected, abs=1e-4)

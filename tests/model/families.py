@@ -71,12 +71,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                   "rope_theta": 1000000.0,
                   "extra": {"use_sliding_window": True, "sliding_window": 20,
                             "max_window_layers": 1}},
-    # Sliding (20), global, sliding; soft caps low enough to bend the random model's scores
-    # and logits; query_pre_attn_scalar = head_dim, as llama.cpp assumes for all but 27B.
+    # Sliding (20), global, sliding; soft caps (1 on scores, 3 on logits) low enough to
+    # bend the random model's scores and logits; query_pre_attn_scalar = head_dim, as
+    # llama.cpp assumes for all but 27B.
     "gemma2": {"config": "Gemma2Config", "model": "Gemma2ForCausalLM", "gguf_arch": "gemma2",
                "rope_theta": 10000.0, "tie": True,
                "extra": {"sliding_window": 20, "query_pre_attn_scalar": 16,
-                         "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                         "attn_logit_softcapping": 1.0, "final_logit_softcapping": 3.0,
                          "hidden_activation": "gelu_pytorch_tanh"}},
     # Six layers: five sliding (window 20, RoPE base 10k) and a global one (base 1M), the
     # 5:1 pattern llama.cpp fixes for gemma3.
@@ -127,6 +128,11 @@ def make_family_dir(family: str, path: str, seed: int = 0) -> str:
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif "embed_tokens" in name and family.startswith("gemma"):
+                # Gemma multiplies the embeddings by sqrt(hidden): this keeps them as large
+                # as the others' (else they drown the layers' normed outputs, and the
+                # window would not change a token).
+                param.copy_(0.05 * torch.randn_like(param))
             elif "embed_tokens" in name:
                 param.copy_(0.5 * torch.randn_like(param))
             else:
