@@ -50,6 +50,11 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
 `rope_theta`): the fields of `RopeScaling` it uses."""
 
 
+def _int_if_whole(value: float | None) -> float | int | None:
+    """transformers' configs type some scalars as int (`query_pre_attn_scalar`)."""
+    return int(value) if value is not None and float(value).is_integer() else value
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """How RoPE's frequencies are rescaled for a longer context (Hugging Face's
@@ -198,7 +203,39 @@ class ModelArchConfig:
             "eos_token_id": eos,
             "attention_bias": False,
             "mlp_bias": False,
+            **self._family_hf_fields(),
         }
+
+    def _family_hf_fields(self) -> dict[str, Any]:
+        """The config.json keys of the family's own features (windows, Gemma's fields)."""
+        fields: dict[str, Any] = {}
+        if self.architecture == "MistralForCausalLM":
+            fields["sliding_window"] = self.sliding_window
+        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            fields["use_sliding_window"] = self.sliding_window is not None
+            fields["sliding_window"] = self.sliding_window
+            if self.sliding_window is not None:
+                if self.layer_types is None:
+                    raise ValueError("a Qwen sliding window without layer_types")
+                fields["layer_types"] = list(self.layer_types)
+        elif self.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            fields.update(
+                hidden_activation=self.hidden_act,
+                sliding_window=self.sliding_window,
+                layer_types=list(self.layer_types or ()),
+                query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar),
+                attn_logit_softcapping=self.attn_logit_softcapping,
+                final_logit_softcapping=self.final_logit_softcapping,
+                use_bidirectional_attention=False,
+            )
+            if self.architecture == "Gemma3ForCausalLM":
+                fields["rope_parameters"] = {
+                    FULL_ATTENTION_LAYER: self._rope_parameters(),
+                    SLIDING_LAYER: {"rope_type": "default", "rope_theta": self.sliding_rope_theta},
+                }
+        elif self.sliding_window is not None or self.layer_types is not None:
+            raise ValueError(f"{self.architecture} has no config.json form for a sliding window")
+        return fields
 
     def _rope_parameters(self) -> dict[str, Any]:
         scaling = self.rope_scaling

@@ -65,9 +65,10 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------------------------
 
 
-_ROPE_PERMUTED = frozenset({"LlamaForCausalLM"})
+_ROPE_PERMUTED = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 """Architectures whose GGUF Q/K rows llama.cpp's converter interleaves (its `llama`
-architecture; Qwen and the others keep Hugging Face's rotate-half order)."""
+architecture, Mistral included; Qwen and the others keep Hugging Face's rotate-half
+order)."""
 
 
 def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -178,6 +179,8 @@ def _gguf_config(gguf: GGUFFile) -> ModelArchConfig:
         raise ValueError("GGUF metadata lacks tokenizer.ggml.eos_token_id")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     fields = _gguf_family_fields(meta, arch, architecture, hidden, num_heads, head_dim)
+    if architecture == "LlamaForCausalLM" and "sliding_window" in fields:
+        architecture = "MistralForCausalLM"  # a window over every layer: Mistral's model
     config = ModelArchConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -448,7 +451,8 @@ def export_hf_dir(
     os.makedirs(out, exist_ok=True)
     config, weights = _load_gguf(resolved, dtype)
     if num_layers is not None and num_layers < config.num_hidden_layers:
-        config = dataclasses.replace(config, num_hidden_layers=num_layers)
+        types = None if config.layer_types is None else config.layer_types[:num_layers]
+        config = dataclasses.replace(config, num_hidden_layers=num_layers, layer_types=types)
         dropped = re.compile(r"model\.layers\.(\d+)\.")
         weights = {
             k: v
@@ -456,6 +460,9 @@ def export_hf_dir(
             if (m := dropped.match(k)) is None or int(m.group(1)) < num_layers
         }
     tokenizer = Tokenizer.from_gguf(resolved)
+    if config.gemma_norms:  # Hugging Face stores Gemma's norm weights without the 1
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = (weights[name].float() - 1.0).to(dtype)
 
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     hf_config = config.to_hf_config_dict()

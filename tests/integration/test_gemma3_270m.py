@@ -123,6 +123,10 @@ def test_served_in_bf16_to_the_openai_client(server) -> None:
         model=model, prompt="量子力学は", max_tokens=16, temperature=0.0
     )
     assert streamed == whole.choices[0].text  # byte-fallback pieces joined in the stream
+    # Its Q5_0 / Q4_K / Q6_K matrices have no quantised kernel: they run dense, said once.
+    log = server.log()
+    assert "of the model's matrices run dense (dequantised to bfloat16)" in log
+    assert "Q5_0 x81" in log and "Q4_K x27" in log and "Q6_K x9" in log
 
 
 def test_kv_connector_and_trace_on_gemma(tmp_path) -> None:

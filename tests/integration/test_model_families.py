@@ -185,3 +185,25 @@ def test_final_logit_soft_cap_reaches_the_logprobs(checkpoint: Checkpoint) -> No
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [next(iter(o.outputs[0].logprobs[0].values())).logprob for o in outs]
     assert got == pytest.approx(expected, abs=1e-4)
+
+
+GGUF_FAMILIES = [f for f in FAMILIES if FAMILIES[f]["gguf_arch"] is not None]
+
+
+@pytest.mark.parametrize("checkpoint", GGUF_FAMILIES, indirect=True)
+def test_gguf_exported_as_hf_directory_runs_the_same_in_transformers(
+    checkpoint: Checkpoint, tmp_path
+) -> None:
+    """`export_hf_dir` (for peers that cannot read GGUF) writes every family's own config
+    keys (windows, layer types, Gemma's scalars) and weights (Gemma's norms without the 1
+    the GGUF file adds): transformers on the export generates the original's tokens."""
+    import torch
+
+    from pagedinfer.model.loader import export_hf_dir
+
+    if checkpoint.family == "llama3":  # llama.cpp's rope_freqs have no exact HF form
+        with pytest.raises(ValueError, match="RoPE frequency factors from a GGUF file"):
+            export_hf_dir(checkpoint.gguf, tmp_path / "hf", torch.float32)
+        return
+    out = export_hf_dir(checkpoint.gguf, tmp_path / "hf", torch.float32)
+    assert reference_greedy(out, _prompts(), MAX_NEW) == checkpoint.expected
