@@ -57,7 +57,7 @@ class EngineCore:
         self.model_info = info
         self.max_model_len = self._resolve_max_model_len(info)
         block_size = config.cache_config.block_size
-        self.executor.initialize_cache(info.num_kv_blocks)
+        self.executor.initialize_cache(info.num_kv_blocks, self.max_model_len)
         self.kv_connector = create_connector(config, KVConnectorRole.SCHEDULER)
         kv_config = config.kv_transfer_config
         self.scheduler = Scheduler(

@@ -87,8 +87,9 @@ class Executor(ABC):
         """Load weights on every worker and return model facts and the KV block count."""
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV blocks on every worker."""
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate `num_blocks` KV blocks on every worker, whose model then runs sequences
+        of at most `max_model_len` tokens (its RoPE tables may depend on it)."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -38,6 +38,7 @@ class LoadModel(msgspec.Struct, tag=True, array_like=True):
 
 class InitializeCache(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
+    max_model_len: int
 
 
 class ExecuteModel(msgspec.Struct, tag=True, array_like=True):

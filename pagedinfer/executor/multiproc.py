@@ -296,8 +296,8 @@ class MultiProcExecutor(Executor):
             kv_bytes_per_block=sum(i.kv_bytes_per_block for i in infos),
         )
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._broadcast(InitializeCache(num_blocks))
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self._broadcast(InitializeCache(num_blocks, max_model_len))
         for r in range(self.world_size):
             self._reply(r, AnyReply)
 

@@ -424,8 +424,8 @@ class RayDistributedExecutor(Executor):
             kv_bytes_per_block=sum(i.kv_bytes_per_block for i in infos),
         )
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._await_all(self._submit(InitializeCache(num_blocks)), AnyReply)
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self._await_all(self._submit(InitializeCache(num_blocks, max_model_len)), AnyReply)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         refs = self._submit(ExecuteModel(scheduler_output))

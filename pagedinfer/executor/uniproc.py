@@ -41,8 +41,8 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
         return model_info(self.worker)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.worker.initialize_cache(num_blocks, max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(scheduler_output)

@@ -114,7 +114,7 @@ def handle_call(worker: Any, call: Any, rank: int, output_rank: int) -> tuple[bo
         worker.load_model()
         return True, model_info(worker)
     if isinstance(call, InitializeCache):
-        return True, worker.initialize_cache(call.num_blocks)
+        return True, worker.initialize_cache(call.num_blocks, call.max_model_len)
     if isinstance(call, ExecuteModel):
         result = worker.execute_model(call.scheduler_output)
         if result is None and call.sample:

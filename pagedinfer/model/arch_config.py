@@ -30,12 +30,13 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
+"""Architecture -> transformers' `model_type`, for `to_hf_config_dict`."""
 
 SLIDING_LAYER = "sliding_attention"
 FULL_ATTENTION_LAYER = "full_attention"
 """Hugging Face's `layer_types` values."""
-"""Architecture -> transformers' `model_type`, for `to_hf_config_dict`."""
 
 
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
@@ -44,6 +45,10 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "yarn": (
         "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
         "mscale_all_dim", "attention_factor", "truncate",
+    ),
+    "longrope": (
+        "factor", "original_max_position_embeddings", "short_factor", "long_factor",
+        "attention_factor",
     ),
 }  # fmt: skip
 """The `rope_parameters` keys of each implemented RoPE type (besides `rope_type` and
@@ -60,10 +65,10 @@ class RopeScaling:
     """How RoPE's frequencies are rescaled for a longer context (Hugging Face's
     `rope_parameters` names); `model/rotary.py` turns it into the tables."""
 
-    rope_type: Literal["linear", "llama3", "yarn"]
+    rope_type: Literal["linear", "llama3", "yarn", "longrope"]
     factor: float
     original_max_position_embeddings: int | None = None
-    """The pre-training context (llama3, yarn)."""
+    """The pre-training context (llama3, yarn, longrope)."""
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original / low_freq_factor are divided by `factor`."""
     high_freq_factor: float = 4.0
@@ -75,10 +80,14 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
-    """yarn: the factor cos and sin are scaled by; None derives it from `factor` (and
-    `mscale` / `mscale_all_dim`)."""
+    """yarn, longrope: the factor cos and sin are scaled by; None derives it from `factor`
+    (and yarn's `mscale` / `mscale_all_dim`)."""
     truncate: bool = True
     """yarn: round the correction range to whole dimensions."""
+    short_factor: tuple[float, ...] | None = None
+    """longrope: each frequency divided by its factor, for contexts up to the original one."""
+    long_factor: tuple[float, ...] | None = None
+    """longrope: the same for longer contexts (`model/rotary.py` says which one runs)."""
     freq_factors: tuple[float, ...] | None = None
     """A GGUF file's `rope_freqs` tensor: each frequency divided by its factor (llama.cpp's
     form of llama3 scaling). Set instead of the fields above."""
@@ -152,6 +161,18 @@ class ModelArchConfig:
                 raise ValueError(f"layer_types {sorted(unknown)} are not supported")
             if SLIDING_LAYER in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding layers but no sliding_window")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            # Checked here, before any weights are read, for both checkpoint readers.
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(scaling, name)
+                if factors is None or len(factors) != self.head_dim // 2:
+                    raise ValueError(
+                        f"longrope {name} {factors!r}: needs {self.head_dim // 2} factors "
+                        f"(head_dim {self.head_dim} / 2)"
+                    )
+            if scaling.original_max_position_embeddings is None:
+                raise ValueError("longrope needs original_max_position_embeddings")
 
     def is_sliding(self, layer: int) -> bool:
         """Whether decoder layer `layer` (global index) attends through the window."""
@@ -178,7 +199,10 @@ class ModelArchConfig:
 
     def to_hf_config_dict(self) -> dict[str, Any]:
         """A `config.json` dict that transformers reads back to the same values (the
-        architecture's own config class)."""
+        architecture's own config class; the weights' names are the exporter's business:
+        Phi-3's fused projections, `loader.export_hf_dir`)."""
+        if self.architecture not in _MODEL_TYPES:
+            raise ValueError(f"{self.architecture} has no Hugging Face directory form here")
         eos: int | list[int] = (
             self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
         )
@@ -233,6 +257,14 @@ class ModelArchConfig:
                     FULL_ATTENTION_LAYER: self._rope_parameters(),
                     SLIDING_LAYER: {"rope_type": "default", "rope_theta": self.sliding_rope_theta},
                 }
+        elif self.architecture == "Phi3ForCausalLM":
+            fields["sliding_window"] = self.sliding_window
+            scaling = self.rope_scaling
+            if scaling is not None and scaling.original_max_position_embeddings is not None:
+                # Phi3Config's top-level key overrides the RoPE dict's.
+                fields["original_max_position_embeddings"] = (
+                    scaling.original_max_position_embeddings
+                )
         elif self.sliding_window is not None or self.layer_types is not None:
             raise ValueError(f"{self.architecture} has no config.json form for a sliding window")
         return fields

@@ -3,8 +3,8 @@
 Every key of `config.json` is accounted for, one of three ways:
 - *read*: it sets a `ModelArchConfig` field (hidden sizes, heads, RoPE, norms, ids...);
 - *checked*: it changes the math, and only some values are implemented (`attention_bias`
-  must be false for Llama; RoPE may be plain or scaled by `linear`, `llama3` or `yarn`).
-  Another value is refused with the key and its value named;
+  must be false for Llama; RoPE may be plain or scaled by `linear`, `llama3`, `yarn` or
+  Phi-3's `longrope`). Another value is refused with the key and its value named;
 - *inert*: it does not change a forward pass (dropout rates, `use_cache`, label maps, the
   transformers version, generation defaults of old configs). `INERT_KEYS` lists them.
 A key in none of these is refused too, naming it: a field this code has never seen may
@@ -44,6 +44,9 @@ INERT_KEYS = frozenset(
         "cross_attention_hidden_size", "id2label", "label2id", "problem_type", "finetuning_task",
         "prefix", "task_specific_params", "tokenizer_class", "pad_token_id", "sep_token_id",
         "decoder_start_token_id", "output_router_logits",
+        # Where remote code for the architecture lives (Phi-3's configs carry it): never run
+        # here; the architecture is implemented as transformers' own class is.
+        "auto_map",
         # Training only.
         "initializer_range", "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop",
         "router_aux_loss_coef",
@@ -90,6 +93,10 @@ def _gelu_tanh(value: Any) -> bool:
     return value in ("gelu_pytorch_tanh", "gelu_tanh")
 
 
+def _one(value: Any) -> bool:
+    return value is None or value == 1.0
+
+
 _CHECKED: dict[str, dict[str, _Check]] = {
     "LlamaForCausalLM": {
         "attention_bias": _false,
@@ -110,6 +117,14 @@ _CHECKED: dict[str, dict[str, _Check]] = {
         "hidden_act": _gelu_tanh,
         "hidden_activation": _gelu_tanh,
         "use_bidirectional_attention": _false,
+    },
+    # Phi3Config has no attention_bias (Phi3Attention has no biases), but released configs
+    # carry `false`; a rotary share below 1 (Phi-4-mini: 0.75) rotates only part of each
+    # head, which the rotary code does not implement.
+    "Phi3ForCausalLM": {
+        "attention_bias": _false,
+        "hidden_act": _silu,
+        "partial_rotary_factor": _one,
     },
 }
 """architecture -> {config key: accepted values}: the keys its model code implements for
@@ -148,19 +163,21 @@ def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]
     return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0))
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(cfg: dict[str, Any], longrope: bool = False) -> tuple[float, RopeScaling | None]:
     """(RoPE base, scaling) from `rope_parameters` or the older `rope_scaling` (both are
     checked when both are present). A RoPE type or key the code does not implement is
-    refused by name."""
+    refused by name; `longrope` only where asked (Phi-3: `_phi3_rope` reads its defaults
+    as transformers' Phi3Config does)."""
     theta = cfg.get("rope_theta")
     scaling: RopeScaling | None = None
+    types = [t for t in ROPE_SCALING_KEYS if longrope or t != "longrope"]
     for key in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(key) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default" and rope_type not in ROPE_SCALING_KEYS:
+        if rope_type != "default" and rope_type not in types:
             raise ValueError(
                 f"config.json: {key} {rope} (rope_type {rope_type!r}) is not supported "
-                f"(supported: default, {', '.join(ROPE_SCALING_KEYS)})"
+                f"(supported: default, {', '.join(types)})"
             )
         allowed = ROPE_SCALING_KEYS.get(rope_type, ())
         for name, value in rope.items():
@@ -171,11 +188,45 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         if theta is None:
             theta = rope.get("rope_theta")
         if rope_type != "default" and scaling is None:
-            fields = {name: rope[name] for name in allowed if rope.get(name) is not None}
+            fields = {
+                name: tuple(rope[name]) if isinstance(rope[name], list) else rope[name]
+                for name in allowed
+                if rope.get(name) is not None
+            }  # lists (longrope's factors) as tuples: RopeScaling is frozen
             if "factor" not in fields:
                 raise ValueError(f"config.json: {key} of type {rope_type!r} lacks 'factor'")
             scaling = RopeScaling(rope_type=rope_type, **fields)
     return float(10000.0 if theta is None else theta), scaling
+
+
+_PHI3_LONGROPE_ALIASES = ("su", "yarn", "longrope")
+"""Phi-3's RoPE types that transformers' Phi3Config reads as longrope (`su` is the early
+configs' name; `yarn` is mapped too)."""
+
+
+def _max_position_embeddings(cfg: dict[str, Any], architecture: str) -> int:
+    """`max_position_embeddings`, or the config class's default (Phi3Config's is 4096)."""
+    default = 4096 if architecture == "Phi3ForCausalLM" else 2048
+    return int(cfg.get("max_position_embeddings", default))
+
+
+def _phi3_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Phi-3's RoPE, plain or longrope, read as transformers' Phi3Config does: the aliases
+    above, the top-level `original_max_position_embeddings` (default 4096) over the RoPE
+    dict's own, and `factor` (which sets the attention factor) defaulting to
+    max_position_embeddings / original_max_position_embeddings."""
+    cfg = dict(cfg)
+    original = int(cfg.get("original_max_position_embeddings", 4096))
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = dict(cfg.get(key) or {})
+        if rope.get("rope_type", rope.get("type")) in _PHI3_LONGROPE_ALIASES:
+            rope.pop("type", None)
+            rope["rope_type"] = "longrope"
+            rope["original_max_position_embeddings"] = original
+            if rope.get("factor") is None:
+                rope["factor"] = _max_position_embeddings(cfg, "Phi3ForCausalLM") / original
+            cfg[key] = rope
+    return _rope(cfg, longrope=True)
 
 
 def _architecture(cfg: dict[str, Any]) -> str:
@@ -194,6 +245,7 @@ def _architecture(cfg: dict[str, Any]) -> str:
 
 _FAMILY_READ_KEYS: dict[str, frozenset[str]] = {
     "MistralForCausalLM": frozenset({"sliding_window"}),
+    "Phi3ForCausalLM": frozenset({"sliding_window", "original_max_position_embeddings"}),
     "Qwen2ForCausalLM": frozenset(
         {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
     ),
@@ -226,6 +278,13 @@ def _family_fields(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
     """The `ModelArchConfig` fields of a family's own keys (windows, soft caps...)."""
     if architecture == "MistralForCausalLM":
         return {"sliding_window": cfg.get("sliding_window")}
+    if architecture == "Phi3ForCausalLM":
+        # As transformers' Phi3Attention: the window, if any, on every layer. One that spans
+        # the whole context (Phi-3-mini-128k: 262144) never masks anything: dropped, so
+        # those layers keep the kernels that take no window.
+        window = cfg.get("sliding_window")
+        max_len = _max_position_embeddings(cfg, architecture)
+        return {"sliding_window": window if window is not None and window < max_len else None}
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         # As transformers: the window applies only with `use_sliding_window`, on the layers
         # `layer_types` marks (by default those from `max_window_layers` up).
@@ -283,6 +342,8 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
     fields = _family_fields(cfg, architecture)
     if architecture == "Gemma3ForCausalLM":
         rope_theta, rope_scaling, fields["sliding_rope_theta"] = _gemma3_rope(cfg)
+    elif architecture == "Phi3ForCausalLM":
+        rope_theta, rope_scaling = _phi3_rope(cfg)
     else:
         rope_theta, rope_scaling = _rope(cfg)
     # Stop ids: config.json's EOS first, then any extra ones generation_config.json lists.
@@ -303,7 +364,7 @@ def hf_arch_config(model_dir: str, has_lm_head: bool) -> ModelArchConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_max_position_embeddings(cfg, architecture),
         tie_word_embeddings=tie,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos_ids),

@@ -1,9 +1,10 @@
-"""The Llama-style decoder (Llama, SmolLM2, Qwen2, Qwen3) over a flattened batch.
+"""The Llama-style decoder (Llama, SmolLM2, Qwen2, Qwen3, Mistral, Phi-3) over a flattened
+batch.
 
 Forward only: embeddings -> N x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP)
 -> RMSNorm; the config adds a family's features (`ModelArchConfig`: QKV biases for Qwen2,
-a per-head RMSNorm of q and k before RoPE for Qwen3); `compute_logits` runs the (tied) LM
-head only on the rows that need logits.
+a per-head RMSNorm of q and k before RoPE for Qwen3, a sliding window, longrope for
+Phi-3); `compute_logits` runs the (tied) LM head only on the rows that need logits.
 Inputs are the step's tokens of all requests laid end to end (`[num_tokens]`), so there is
 no batch dimension; which tokens belong together is the attention backend's business,
 reached through the `ForwardContext`.
@@ -143,7 +144,6 @@ class LlamaAttention(nn.Module):
         self.local_rope = config.sliding_rope_theta is not None and config.is_sliding(layer)
         """Whether the layer rotates with the sliding layers' own RoPE base (Gemma 3)."""
         self.ops: Any = None  # C++ layer kernels (enable_fused_ops)
-        self.rotary: RotaryEmbedding | None = None  # full tables, for the fused kernel
 
     def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -157,10 +157,11 @@ class LlamaAttention(nn.Module):
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
         if self.ops is not None:
-            # In place on the q and k heads of qkv, float32 tables indexed by position.
-            assert self.rotary is not None
+            # In place on the q and k heads of qkv, the full float32 tables indexed by
+            # position (this layer's: Gemma 3's sliding layers have their own).
+            tables = rope.rotary
             self.ops.rotary_embedding(
-                qkv, rope.positions, self.rotary.cos, self.rotary.sin, num_rotated, self.head_dim
+                qkv, rope.positions, tables.cos, tables.sin, num_rotated, self.head_dim
             )
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_rotated, self.head_dim)
         else:
@@ -302,11 +303,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         self.requires_grad_(False)
 
-    def build_rotary(self, max_position: int) -> None:
+    def build_rotary(self, max_position: int, max_model_len: int | None = None) -> None:
         """RoPE tables for positions [0, max_position), as real tensors (the worker builds
-        the model on the meta device, then calls this)."""
+        the model on the meta device, then calls this once the engine's max_model_len is
+        settled: longrope picks its factors by it; None: the model's context length)."""
         config = self.config
-        self.rotary = RotaryEmbedding.of(config, max_position)
+        self.rotary = RotaryEmbedding.of(config, max_position, max_model_len)
         if config.sliding_rope_theta is not None:
             local = dataclasses.replace(
                 config, rope_theta=config.sliding_rope_theta, rope_scaling=None
@@ -329,8 +331,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
                 module.ops = ops
-            if isinstance(module, LlamaAttention):
-                module.rotary = self.rotary_local if module.local_rope else self.rotary
 
     def forward(
         self,

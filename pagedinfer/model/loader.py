@@ -12,7 +12,10 @@ Invariants:
 - GGUF Q/K projections are returned in HF's rotate-half row layout: for its `llama`
   architecture, llama.cpp's converter interleaves the two rotary halves of every head, and
   `_undo_rope_permutation` inverts that exactly, so the weights equal the original HF
-  checkpoint up to quantisation (Qwen files are stored in HF's order already).
+  checkpoint up to quantisation (Qwen and Phi-3 files are stored in HF's order already).
+- A checkpoint's fused matrices (Phi-3's `qkv_proj` and `gate_up_proj`, in both formats)
+  come back split under Llama's names (`model/weights.fused_parts`), each part read by rows
+  alone, so a tensor-parallel rank's `rows=` plan reads its rows of every part.
 - Only the architectures `model/registry.py` lists are read, and only config fields the
   model code implements (`model/hf_config.py`; `_check_gguf_keys` for GGUF metadata);
   anything else raises ValueError naming it, instead of loading silently wrong weights.
@@ -43,7 +46,7 @@ from pagedinfer.model.arch_config import (
 from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.hf_config import hf_arch_config, read_json
 from pagedinfer.model.registry import architecture_features, gguf_architecture
-from pagedinfer.model.weights import gguf_to_hf_name
+from pagedinfer.model.weights import fused_parts, gguf_to_hf_name
 
 if TYPE_CHECKING:
     from pagedinfer.model.quant import QuantBlocks
@@ -64,6 +67,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # GGUF
 # --------------------------------------------------------------------------------------------
 
+
+_FUSED_CHECKPOINTS = frozenset({"Phi3ForCausalLM"})
+"""Architectures whose checkpoints (and llama.cpp's files of them) fuse q/k/v and gate/up."""
 
 _ROPE_PERMUTED = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 """Architectures whose GGUF Q/K rows llama.cpp's converter interleaves (its `llama`
@@ -89,6 +95,11 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 ROPE_FREQS = "rope_freqs.weight"
 """llama.cpp's tensor of RoPE frequency factors."""
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+"""llama.cpp's tensors of Phi-3's longrope factors (its converter's Phi3MiniModel)."""
+_CONFIG_TENSORS = frozenset({ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT})
+"""Tensors read into the config (`_gguf_rope_scaling`), not weights."""
 
 _GGUF_READ_KEYS = frozenset(
     {
@@ -107,6 +118,10 @@ _GGUF_FAMILY_KEYS: dict[str, frozenset[str]] = {
          "attn_logit_softcapping", "final_logit_softcapping"}
     ),
     "gemma3": frozenset({"attention.sliding_window", "attention.sliding_window_pattern"}),
+    "phi3": frozenset(
+        {"attention.sliding_window", "rope.scaling.original_context_length",
+         "rope.scaling.attn_factor"}
+    ),
 }  # fmt: skip
 """More `{arch}.` keys read for one llama.cpp architecture."""
 """The `{arch}.` metadata keys the GGUF reader reads or checks; any other `{arch}.` key
@@ -124,10 +139,49 @@ def _check_gguf_keys(meta: dict[str, Any], arch: str) -> None:
             )
 
 
+def _gguf_longrope(gguf: GGUFFile, arch: str) -> RopeScaling | None:
+    """llama.cpp's form of Phi-3's longrope: the factors as the tensors `rope_factors_long`
+    and `rope_factors_short`, the original context as `rope.scaling.original_context_length`
+    and the cos/sin factor as `rope.scaling.attn_factor` (its converter writes
+    sqrt(1 + ln(context / original) / ln(original)), transformers' default; llama.cpp reads
+    1 when it is absent). llama.cpp picks long or short once per context, long iff the
+    context per sequence exceeds the original, which is `model/rotary.py`'s rule too."""
+    meta = gguf.metadata
+    attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+    present = [name in gguf for name in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)]
+    if not any(present):
+        if attn_factor is not None:
+            raise ValueError(
+                f"GGUF metadata {arch}.rope.scaling.attn_factor = {attn_factor!r} without "
+                f"{ROPE_FACTORS_LONG} is not supported"
+            )
+        return None
+    if arch != "phi3" or not all(present):
+        raise ValueError(f"GGUF {arch}: {ROPE_FACTORS_LONG} and {ROPE_FACTORS_SHORT} are "
+                         "supported together, for phi3 only")  # fmt: skip
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", None):
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} beside {ROPE_FACTORS_LONG}")
+    context = int(meta[f"{arch}.context_length"])
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length", context))
+    long, short = (
+        tuple(float(f) for f in gguf.load_tensor(name).reshape(-1))
+        for name in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
+    )
+    return RopeScaling(
+        "longrope", factor=context / original, original_max_position_embeddings=original,
+        short_factor=short, long_factor=long,
+        attention_factor=1.0 if attn_factor is None else float(attn_factor),
+    )  # fmt: skip
+
+
 def _gguf_rope_scaling(gguf: GGUFFile, arch: str) -> RopeScaling | None:
     """llama.cpp's forms of RoPE scaling: a `rope_freqs` tensor of per-frequency factors
-    (how its converter writes Llama 3.1's scaling) or `rope.scaling.type` "linear". Other
-    types are refused by name."""
+    (how its converter writes Llama 3.1's scaling), Phi-3's longrope (`_gguf_longrope`) or
+    `rope.scaling.type` "linear". Other types are refused by name."""
+    longrope = _gguf_longrope(gguf, arch)
+    if longrope is not None:
+        return longrope
     kind = gguf.metadata.get(f"{arch}.rope.scaling.type", "none")
     if ROPE_FREQS in gguf:
         if kind not in ("none", None):
@@ -237,7 +291,30 @@ def _gguf_family_fields(
                 fields[key] = float(meta[f"{arch}.{key}"])
     if arch == "gemma3":
         fields["sliding_rope_theta"] = 10000.0  # llama.cpp's fixed local base
+    if arch == "phi3":
+        fields["sliding_window"] = _phi3_window(meta, window)
     return fields
+
+
+def _phi3_window(meta: dict[str, Any], window: Any) -> int | None:
+    """Phi-3's window over every layer, as the checkpoint's `sliding_window` (which
+    llama.cpp's converter writes, 0 for none: Phi-4), hence transformers' (llama.cpp itself
+    has run Phi-3 without it since its PR 13676). Files converted before the key existed get
+    llama.cpp's defaults for them (its PR 8931), which are the checkpoints' values. A window
+    spanning the whole context never masks anything: None, as for the HF config."""
+    layers, context = int(meta["phi3.block_count"]), int(meta["phi3.context_length"])
+    if window is None:
+        kv_heads = meta.get("phi3.attention.head_count_kv")
+        if layers in (32, 40) and context == 4096:
+            window = 2047  # Phi-3-mini/medium-4k
+        elif layers == 32 and kv_heads == 32 and context == 131072:
+            window = 262144  # Phi-3-mini-128k
+        elif layers == 40 and context == 131072:
+            window = 131072  # Phi-3-medium-128k
+        else:
+            raise ValueError("GGUF metadata lacks phi3.attention.sliding_window")
+    window = int(window)
+    return window if 0 < window < context else None
 
 
 def _load_gguf(
@@ -250,23 +327,45 @@ def _load_gguf(
     config = _gguf_config(gguf)
     weights: dict[str, torch.Tensor] = {}
     for name in gguf.tensor_names:
-        if name == ROPE_FREQS:
-            continue  # read into the config (`_gguf_rope_scaling`)
-        hf_name = gguf_to_hf_name(name, config.gemma_norms)
-        if wanted is not None and not wanted(hf_name):
+        if name in _CONFIG_TENSORS:
             continue
-        span = rows(hf_name) if rows is not None else None
-        if span is None:
-            array = gguf.load_tensor(name)  # float32, torch-order shape
-        else:
-            array = gguf.load_tensor_rows(name, *span)
-        if config.architecture in _ROPE_PERMUTED and hf_name.endswith(
-            ("q_proj.weight", "k_proj.weight")
-        ):
-            # Whole heads (a shard never splits one), permuted within each head.
-            array = _undo_rope_permutation(array, array.shape[0] // config.head_dim)
-        weights[hf_name] = _to_dtype(torch.from_numpy(array), dtype)
+        for hf_name, start, end in _gguf_parts(gguf, name, config):
+            if wanted is not None and not wanted(hf_name):
+                continue
+            span = rows(hf_name) if rows is not None else None
+            if span is not None:  # this rank's rows of the part
+                start, end = start + span[0], start + span[1]
+            array = _read_rows(gguf, name, start, end)  # float32, torch-order shape
+            if config.architecture in _ROPE_PERMUTED and hf_name.endswith(
+                ("q_proj.weight", "k_proj.weight")
+            ):
+                # Whole heads (a shard never splits one), permuted within each head.
+                array = _undo_rope_permutation(array, array.shape[0] // config.head_dim)
+            weights[hf_name] = _to_dtype(torch.from_numpy(array), dtype)
     return config, weights
+
+
+def _gguf_parts(gguf: GGUFFile, name: str, config: ModelArchConfig) -> list[tuple[str, int, int]]:
+    """A GGUF tensor's HF names with their rows [start, end): the tensor whole, or the parts
+    of a fused one (`fused_parts`)."""
+    hf_name = gguf_to_hf_name(name, config)
+    rows = gguf.tensor_shape(name)[0]
+    parts = fused_parts(hf_name, config) if config.architecture in _FUSED_CHECKPOINTS else None
+    if parts is None:
+        return [(hf_name, 0, rows)]
+    if parts[-1][2] != rows:
+        raise ValueError(f"GGUF {name}: {rows} rows, the fused parts need {parts[-1][2]}")
+    return parts
+
+
+def _read_rows(gguf: GGUFFile, name: str, start: int, end: int) -> np.ndarray:
+    """Rows [start, end) of a tensor (only those rows' bytes read from a matrix)."""
+    shape = gguf.tensor_shape(name)
+    if (start, end) == (0, shape[0]):
+        return gguf.load_tensor(name)
+    if len(shape) == 1:
+        return gguf.load_tensor(name)[start:end]
+    return gguf.load_tensor_rows(name, start, end)
 
 
 def load_quant_blocks(
@@ -283,24 +382,27 @@ def load_quant_blocks(
     gguf = GGUFFile(resolved)
     out: dict[str, QuantBlocks] = {}
     for name in gguf.tensor_names:
-        if name == ROPE_FREQS:
-            continue  # read into the config (`_gguf_rope_scaling`)
-        hf_name = gguf_to_hf_name(name, config.gemma_norms)
-        if wanted is not None and not wanted(hf_name):
+        if name in _CONFIG_TENSORS:
             continue
-        blocks = gguf.load_quant_blocks(name)
-        if blocks is None:
+        parts = _gguf_parts(gguf, name, config)
+        if wanted is not None and not any(wanted(hf_name) for hf_name, _, _ in parts):
             continue
-        heads = None
-        if config.architecture in _ROPE_PERMUTED and hf_name.endswith("q_proj.weight"):
-            heads = config.num_attention_heads
-        elif config.architecture in _ROPE_PERMUTED and hf_name.endswith("k_proj.weight"):
-            heads = config.num_key_value_heads
-        if heads is not None:
-            # A row permutation: applies to codes and per-row group scales alike.
-            order = _undo_rope_permutation(np.arange(blocks.rows)[:, None], heads)[:, 0]
-            blocks = blocks.take_rows(order)
-        out[hf_name] = blocks
+        whole = gguf.load_quant_blocks(name)
+        if whole is None:
+            continue
+        for hf_name, start, end in parts:
+            # A fused matrix's part: its rows, codes and per-row group scales alike.
+            blocks = whole if len(parts) == 1 else whole.take_rows(np.arange(start, end))
+            heads = None
+            if config.architecture in _ROPE_PERMUTED and hf_name.endswith("q_proj.weight"):
+                heads = config.num_attention_heads
+            elif config.architecture in _ROPE_PERMUTED and hf_name.endswith("k_proj.weight"):
+                heads = config.num_key_value_heads
+            if heads is not None:
+                # A row permutation: applies to codes and per-row group scales alike.
+                order = _undo_rope_permutation(np.arange(blocks.rows)[:, None], heads)[:, 0]
+                blocks = blocks.take_rows(order)
+            out[hf_name] = blocks
     return out
 
 
@@ -350,12 +452,31 @@ def _load_hf_dir(
     config = hf_arch_config(model_dir, has_lm_head="lm_head.weight" in weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if config.architecture in _FUSED_CHECKPOINTS:
+        weights = _split_fused(weights, config)
     if config.gemma_norms:
         # Gemma's norms scale by (1 + weight): the model holds the multiplier (as GGUF
         # files do), computed in float32 as transformers does.
         for name in [n for n in weights if n.endswith("norm.weight")]:
             weights[name] = (weights[name].float() + 1.0).to(dtype)
     return config, weights
+
+
+def _split_fused(
+    weights: dict[str, torch.Tensor], config: ModelArchConfig
+) -> dict[str, torch.Tensor]:
+    """The fused matrices of a checkpoint (Phi-3's qkv_proj, gate_up_proj) as their parts
+    under Llama's names, each a copy (the fused tensor is freed as it goes)."""
+    for name in list(weights):
+        parts = fused_parts(name, config)
+        if parts is None:
+            continue
+        fused = weights.pop(name)
+        if fused.shape[0] != parts[-1][2]:
+            raise ValueError(f"{name}: {fused.shape[0]} rows, the fused parts need {parts[-1][2]}")
+        for part, start, end in parts:
+            weights[part] = fused[start:end].clone()
+    return weights
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,13 +580,20 @@ def export_hf_dir(
             for k, v in weights.items()
             if (m := dropped.match(k)) is None or int(m.group(1)) < num_layers
         }
+    hf_config = config.to_hf_config_dict()  # before writing: refuses what it cannot write
     tokenizer = Tokenizer.from_gguf(resolved)
+    if config.architecture in _FUSED_CHECKPOINTS:  # Phi-3's own names: fused q/k/v, gate/up
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            parts = [weights.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+            weights[f"{p}self_attn.qkv_proj.weight"] = torch.cat(parts)
+            parts = [weights.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+            weights[f"{p}mlp.gate_up_proj.weight"] = torch.cat(parts)
     if config.gemma_norms:  # Hugging Face stores Gemma's norm weights without the 1
         for name in [n for n in weights if n.endswith("norm.weight")]:
             weights[name] = (weights[name].float() - 1.0).to(dtype)
 
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    hf_config = config.to_hf_config_dict()
     hf_config["pad_token_id"] = tokenizer.pad_token_id
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     generation = {

@@ -40,6 +40,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
     # Llama with a sliding window over every layer (the config's `sliding_window`).
     "MistralForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
+    # Llama's decoder; the checkpoint fuses q/k/v and gate/up (split by the loader), RoPE
+    # may be longrope and every layer may slide.
+    "Phi3ForCausalLM": ("pagedinfer.model.llama", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("pagedinfer.model.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("pagedinfer.model.gemma", "GemmaForCausalLM"),
 }
@@ -60,6 +63,7 @@ _GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 """GGUF `general.architecture` -> HF architecture name. (llama.cpp converts Mistral
 checkpoints to its `llama` architecture.)"""

@@ -1,10 +1,13 @@
 """Rotary position embeddings: the frequencies of each RoPE type, and the cos/sin tables.
 
-`inverse_frequencies(head_dim, base, scaling, max_position_embeddings)` gives the per-pair
-inverse frequencies and the factor cos and sin are scaled by, for plain RoPE and for the
-scalings of `RopeScaling` (`linear`, `llama3`, `yarn`, and a GGUF file's per-frequency
-factors). The float32 operations follow Hugging Face's definitions step by step, so the
-tables, and hence greedy outputs in float32, equal transformers'.
+`inverse_frequencies(head_dim, base, scaling, max_position_embeddings, max_model_len)`
+gives the per-pair inverse frequencies and the factor cos and sin are scaled by, for plain
+RoPE and for the scalings of `RopeScaling` (`linear`, `llama3`, `yarn`, `longrope`, and a
+GGUF file's per-frequency factors). The float32 operations follow Hugging Face's
+definitions step by step, so the tables, and hence greedy outputs in float32, equal
+transformers'. Only longrope depends on `max_model_len` (the engine's longest sequence): it
+picks its long or short factors once, for every position (`uses_long_factors` says why,
+and where that differs from transformers).
 
 `RotaryEmbedding` holds the tables for every position (the fused C++ kernel reads them by
 position); `Rope` is one step's view of them, shared by every layer; `apply_rotary` is the
@@ -23,7 +26,13 @@ from torch import nn
 
 from pagedinfer.model.arch_config import ModelArchConfig, RopeScaling
 
-__all__ = ["Rope", "RotaryEmbedding", "apply_rotary", "inverse_frequencies"]
+__all__ = [
+    "Rope",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "inverse_frequencies",
+    "uses_long_factors",
+]
 
 
 def _plain(head_dim: int, base: float) -> torch.Tensor:
@@ -81,10 +90,51 @@ def _yarn(head_dim: int, base: float, s: RopeScaling, max_position_embeddings: i
     return interpolation * (1 - keep) + extrapolation * keep
 
 
-def inverse_frequencies(
-    head_dim: int, base: float, scaling: RopeScaling | None, max_position_embeddings: int
+def uses_long_factors(scaling: RopeScaling, max_model_len: int) -> bool:
+    """Whether longrope runs its long factors: iff the engine's sequences may be longer than
+    the original context (vLLM's rule).
+
+    transformers switches per forward call instead: long iff the call's last position + 1
+    exceeds the original context, and its `generate` recomputes the whole cache with the
+    long factors once a sequence crosses it. A batch here mixes requests, and chunked
+    prefill or a prefix-cache hit would make one sequence's cache hold both kinds, so the
+    choice is made once for the engine. The two agree when every sequence stays within the
+    original context and max_model_len does too (short factors both), or when every prompt
+    is longer than it (long factors both); a sequence that starts shorter under a longer
+    max_model_len runs the long factors here and the short ones in transformers until it
+    crosses."""
+    assert scaling.original_max_position_embeddings is not None
+    return max_model_len > scaling.original_max_position_embeddings
+
+
+def _longrope(
+    head_dim: int, base: float, s: RopeScaling, max_model_len: int
 ) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2] in float32, the factor cos and sin are scaled by)."""
+    """LongRoPE (Phi-3): each frequency divided by its factor, cos and sin scaled by
+    sqrt(1 + ln(factor) / ln(original context)) unless `attention_factor` is given."""
+    long = uses_long_factors(s, max_model_len)
+    factors = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float32)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (factors * base**exponents)  # [head_dim / 2]
+    original = s.original_max_position_embeddings
+    assert original is not None
+    if s.attention_factor is not None:
+        return inv_freq, s.attention_factor
+    if s.factor <= 1.0:
+        return inv_freq, 1.0
+    return inv_freq, math.sqrt(1 + math.log(s.factor) / math.log(original))
+
+
+def inverse_frequencies(
+    head_dim: int,
+    base: float,
+    scaling: RopeScaling | None,
+    max_position_embeddings: int,
+    max_model_len: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2] in float32, the factor cos and sin are scaled by).
+    `max_model_len`: the longest sequence the engine runs (None: `max_position_embeddings`);
+    only longrope reads it."""
     if scaling is None:
         return _plain(head_dim, base), 1.0
     if scaling.freq_factors is not None:
@@ -101,6 +151,8 @@ def inverse_frequencies(
     if scaling.rope_type == "yarn":
         inv_freq = _yarn(head_dim, base, scaling, max_position_embeddings)
         return inv_freq, _yarn_attention_factor(scaling)
+    if scaling.rope_type == "longrope":
+        return _longrope(head_dim, base, scaling, max_model_len or max_position_embeddings)
     raise ValueError(f"RoPE type {scaling.rope_type!r} is not supported")
 
 
@@ -114,10 +166,11 @@ class RotaryEmbedding(nn.Module):
         base: float,
         scaling: RopeScaling | None = None,
         max_position_embeddings: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__()
         inv_freq, attention_factor = inverse_frequencies(
-            head_dim, base, scaling, max_position_embeddings or max_position
+            head_dim, base, scaling, max_position_embeddings or max_position, max_model_len
         )
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
@@ -129,11 +182,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     @classmethod
-    def of(cls, config: ModelArchConfig, max_position: int) -> RotaryEmbedding:
-        """The tables of `config`'s RoPE for positions [0, max_position)."""
+    def of(
+        cls, config: ModelArchConfig, max_position: int, max_model_len: int | None = None
+    ) -> RotaryEmbedding:
+        """The tables of `config`'s RoPE for positions [0, max_position), for an engine whose
+        sequences are at most `max_model_len` long (None: the model's context length)."""
         return cls(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling,
-            config.max_position_embeddings,
+            config.max_position_embeddings, max_model_len,
         )  # fmt: skip
 
     def tables(

@@ -2,10 +2,12 @@
 
 Role: the seam between the loader's HF-named tensors (`model/loader.py`) and the model's
 own parameters (`model/llama.py`). `gguf_to_hf_name` maps llama.cpp tensor names to Hugging
-Face ones (the loader reads GGUF files under HF names); `install_weights` fuses q/k/v and
-gate/up (`sharding.PROJECTIONS`, their biases alike), keeps this rank's slices and stage's
-layers and makes the tensors the parameters; `install_quantized` gives the projections the
-file's own quantised blocks, cut the same way.
+Face ones (the loader reads GGUF files under HF names); `fused_parts` says how a checkpoint
+that stores q/k/v or gate/up fused (Phi-3) splits into Llama's separate matrices, which the
+loader hands on, so that sharding and quantised blocks see one layout; `install_weights`
+fuses q/k/v and gate/up (`sharding.PROJECTIONS`, their biases alike), keeps this rank's
+slices and stage's layers and makes the tensors the parameters; `install_quantized` gives
+the projections the file's own quantised blocks, cut the same way.
 
 Invariants:
 - `install_weights` covers every parameter exactly once and refuses leftovers; it consumes
@@ -16,7 +18,7 @@ Invariants:
   both give the same parameters.
 
 Callers: `LlamaForCausalLM.load_weights` / `load_quantized` (the worker calls those) and
-the loader (`gguf_to_hf_name`).
+the loader (`gguf_to_hf_name`, `fused_parts`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from pagedinfer.model.quant import GROUP_SIZE, QuantBlocks, QuantizedWeight, qua
 from pagedinfer.model.sharding import PROJECTIONS, keep_part, shard_ranges, vocab_slice
 
 if TYPE_CHECKING:
+    from pagedinfer.model.arch_config import ModelArchConfig
     from pagedinfer.model.llama import LlamaForCausalLM
 
-__all__ = ["gguf_to_hf_name", "install_quantized", "install_weights"]
+__all__ = ["fused_parts", "gguf_to_hf_name", "install_quantized", "install_weights"]
 
 # llama.cpp tensor name -> HF name; `{i}` is the layer index.
 _GGUF_GLOBAL_NAMES = {
@@ -62,19 +65,56 @@ _GGUF_GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GGUF_PHI3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    # llama.cpp's phi3 keeps Phi-3's fused matrices: [q; k; v] rows, and [gate; up] rows
+    # under `ffn_up` (its SwiGLU takes the first half as the gate, as Phi3MLP's chunk does).
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
 _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str, gemma_norms: bool = False) -> str:
-    """A llama.cpp tensor name -> its Hugging Face name (Gemma's layer norms named as
-    Gemma's when `gemma_norms`); ValueError if it has none."""
+def gguf_to_hf_name(name: str, config: ModelArchConfig) -> str:
+    """A llama.cpp tensor name -> its Hugging Face name for `config`'s family (Gemma's four
+    norms, Phi-3's fused matrices); ValueError if it has none."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    layer_names = _GGUF_GEMMA_LAYER_NAMES if gemma_norms else _GGUF_LAYER_NAMES
+    layer_names = _GGUF_LAYER_NAMES
+    if config.gemma_norms:
+        layer_names = _GGUF_GEMMA_LAYER_NAMES
+    elif config.architecture == "Phi3ForCausalLM":
+        layer_names = _GGUF_PHI3_LAYER_NAMES
     match = _GGUF_LAYER_RE.match(name)
     if match is None or match.group(2) not in layer_names:
         raise ValueError(f"GGUF tensor {name!r} is not supported (no equivalent in the model)")
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
+
+
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def fused_parts(name: str, config: ModelArchConfig) -> list[tuple[str, int, int]] | None:
+    """A fused checkpoint matrix, named as the model's fused parameter (Phi-3's
+    `self_attn.qkv_proj`, `mlp.gate_up_proj`) -> each part's Llama name and its rows
+    [start, end) in the fused matrix, in `PROJECTIONS`' order; None for any other name."""
+    match = _HF_LAYER_RE.match(name)
+    parts = PROJECTIONS.get(match.group(2)) if match is not None else None
+    if match is None or parts is None or len(parts) == 1:
+        return None
+    hd = config.head_dim
+    rows = {
+        "q": config.num_attention_heads * hd,
+        "kv": config.num_key_value_heads * hd,
+        "mlp": config.intermediate_size,
+    }
+    layer, kind = match.group(1), match.group(3)
+    out, start = [], 0
+    for part in parts:
+        assert part.rows is not None  # fused parts are stacked by rows
+        out.append((f"model.layers.{layer}.{part.name}.{kind}", start, start + rows[part.rows]))
+        start += rows[part.rows]
+    return out
 
 
 @torch.no_grad()

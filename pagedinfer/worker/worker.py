@@ -1,9 +1,10 @@
 """The worker: owns the device, the model weights, the KV cache tensors and the runner.
 
 Startup (`Worker.load_model` then `initialize_cache`) mirrors vLLM: load weights, size the
-KV cache from the configured byte budget, allocate one `[2, num_blocks, block_size,
-num_kv_heads, head_dim]` tensor per layer, and report the number of blocks back to the
-engine, which builds its scheduler around it. Per step the executor calls
+KV cache from the configured byte budget, report the number of blocks back to the engine,
+which settles max_model_len and builds its scheduler around them, then allocate one
+`[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer and build the RoPE
+tables (longrope's factors depend on max_model_len). Per step the executor calls
 `execute_model` / `sample_tokens`, which the runner implements.
 """
 
@@ -136,10 +137,7 @@ class Worker:
         )
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model" and spec.model is not None:
-            # RoPE tables as long as the target's: the draft sees the same positions.
-            draft_arch, draft, draft_backend = self._build_model(
-                spec.model, max_position=arch.max_position_embeddings
-            )
+            draft_arch, draft, draft_backend = self._build_model(spec.model)
             if draft_arch.vocab_size != arch.vocab_size:
                 raise ValueError(
                     f"The draft model's vocabulary ({draft_arch.vocab_size} tokens) differs "
@@ -154,8 +152,10 @@ class Worker:
         return arch
 
     def _build_model(
-        self, path: str | None, max_position: int = 0
+        self, path: str | None
     ) -> tuple[ModelArchConfig, LlamaForCausalLM, AttentionBackend]:
+        """Load a model's weights into a model built on the meta device; its RoPE tables
+        come in `initialize_cache` (`_build_rotary`)."""
         tp, pp = get_tp_group(), get_pp_group()
         wanted = rows = None
         if tp.world_size * pp.world_size > 1:
@@ -179,8 +179,6 @@ class Worker:
         model_class = get_model_class(arch.architecture)
         with torch.device("meta"):
             model = model_class(arch, backend)
-        # RoPE tables: real buffers, computed here.
-        model.build_rotary(max(arch.max_position_embeddings, max_position))
         model.load_weights(state_dict)
         del state_dict
         max_rows = self.config.model_config.quant_max_tokens
@@ -257,8 +255,23 @@ class Worker:
     def num_kv_blocks(self) -> int:
         return self.config.cache_config.kv_cache_memory_bytes // self.kv_bytes_per_block()
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def _build_rotary(self, max_model_len: int) -> None:
+        """The RoPE tables, real buffers, for every position of the model's context."""
+        assert self.arch is not None and self.model is not None
+        num_positions = self.arch.max_position_embeddings
+        self.model.build_rotary(num_positions, max_model_len)
+        if self.draft is not None:
+            draft_arch, draft, _ = self.draft
+            # As long as the target's: the draft sees the same positions.
+            draft.build_rotary(
+                max(draft_arch.max_position_embeddings, num_positions), max_model_len
+            )
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the KV cache and the runner for the engine's `max_model_len` (settled
+        from `num_kv_blocks` by the engine)."""
         assert self.local_arch is not None and self.model is not None
+        self._build_rotary(max_model_len)
         arch, bs = self.local_arch, self.config.cache_config.block_size
         kv_caches = self._kv_caches(arch, num_blocks)
         draft_model = None

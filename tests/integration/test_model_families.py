@@ -4,9 +4,11 @@ preemption, prefix-cache hits and tensor parallelism.
 
 The checkpoints are tiny random-weight models built by transformers itself
 (`tests/model/families.py`): 6 query heads over 2 KV heads, the family's own features (QKV
-biases for Qwen2, QK-norm for Qwen3, Llama 3.1's and YaRN's RoPE scaling), converted to
-GGUF under llama.cpp's names. The windowed families (Mistral, Qwen2's sliding layers, Gemma)
-have windows of 20-24 tokens, shorter than every prompt and than a chunk of them.
+biases for Qwen2, QK-norm for Qwen3, Llama 3.1's and YaRN's RoPE scaling, Phi-3's fused
+projections and longrope), converted to GGUF under llama.cpp's names. The windowed families
+(Mistral, Qwen2's sliding layers, Gemma, Phi-3) have windows of 20-24 tokens, shorter than
+every prompt and than a chunk of them. Phi-3's longrope picks its long or short factors by
+max_model_len, transformers per call: the tests at the end run it where the two agree.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from tests.model.families import FAMILIES, convert_to_gguf, make_family_dir, reference_greedy
 
@@ -55,15 +58,18 @@ class Checkpoint:
         return self.hf_dir if fmt == "hf" else self.gguf
 
 
+EVERY_PATH = [f for f in FAMILIES if not FAMILIES[f].get("long_prompts_only")]
+"""The families whose outputs equal transformers' for every prompt (not `phi3-long`)."""
+
 FORMATS = [
     (family, fmt)
-    for family in FAMILIES
+    for family in EVERY_PATH
     for fmt in ("hf", "gguf")
     if fmt == "hf" or FAMILIES[family]["gguf_arch"] is not None
 ]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=EVERY_PATH)
 def checkpoint(request, tmp_path_factory) -> Checkpoint:
     family = request.param
     root = tmp_path_factory.mktemp(family)
@@ -109,7 +115,7 @@ def test_family_matches_transformers_through_every_path(checkpoint: Checkpoint, 
     assert max(o.num_cached_tokens for o in hits) >= 32
 
 
-PARALLEL = [("qwen2", 2, 1), ("gemma3", 2, 1), ("gemma2", 1, 2)]
+PARALLEL = [("qwen2", 2, 1), ("gemma3", 2, 1), ("gemma2", 1, 2), ("phi3", 2, 1)]
 
 
 @pytest.mark.parametrize(
@@ -118,9 +124,10 @@ PARALLEL = [("qwen2", 2, 1), ("gemma3", 2, 1), ("gemma2", 1, 2)]
 )  # fmt: skip
 def test_family_matches_transformers_in_parallel(checkpoint: Checkpoint, tp: int, pp: int) -> None:
     """TP=2 over 6 query / 2 KV heads, each rank reading its rows of the GGUF file (and its
-    slices of Qwen2's QKV biases; Gemma 3's windowed and global layers, QK-norm per head);
-    PP=2 splits Gemma 2's sliding and global layers over two stages. Llama's TP is tested
-    on the real model (tests/integration/test_executors.py)."""
+    slices of Qwen2's QKV biases; Gemma 3's windowed and global layers, QK-norm per head;
+    its rows of each part of Phi-3's fused attn_qkv and ffn_up); PP=2 splits Gemma 2's
+    sliding and global layers over two stages. Llama's TP is tested on the real model
+    (tests/integration/test_executors.py)."""
     from pagedinfer import LLM
 
     with LLM(
@@ -207,3 +214,90 @@ def test_gguf_exported_as_hf_directory_runs_the_same_in_transformers(
         return
     out = export_hf_dir(checkpoint.gguf, tmp_path / "hf", torch.float32)
     assert reference_greedy(out, _prompts(), MAX_NEW) == checkpoint.expected
+
+
+# ---- Phi-3's longrope: long factors above the original context, short ones within it -----
+
+
+@dataclass
+class LongRopeCheckpoint:
+    """`phi3-long` (original context 64, max_position_embeddings 256) and transformers'
+    greedy tokens of prompts all longer than 64 (it runs the long factors for them
+    throughout) and of prompts that stay within 64 with their new tokens (short factors)."""
+
+    hf_dir: str
+    gguf: str
+    expected_long: list[list[int]]
+    expected_short: list[list[int]]
+
+    def path(self, fmt: str) -> str:
+        return self.hf_dir if fmt == "hf" else self.gguf
+
+
+def _phi3_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    return [[(11 * i + 7 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(lengths, 1)]
+
+
+def _long_prompts() -> list[list[int]]:
+    """Three prompts of 65-120 tokens: past the original context from the first token on."""
+    return _phi3_prompts((65, 90, 120))
+
+
+def _short_prompts() -> list[list[int]]:
+    """Three prompts of 20-54 tokens: with their 10 new tokens, within the original context."""
+    return _phi3_prompts((20, 37, 54))
+
+
+@pytest.fixture(scope="module")
+def phi3_long(tmp_path_factory) -> LongRopeCheckpoint:
+    root = tmp_path_factory.mktemp("phi3-long")
+    hf_dir = make_family_dir("phi3-long", str(root / "hf"))
+    return LongRopeCheckpoint(
+        hf_dir,
+        convert_to_gguf(hf_dir, str(root / "model.gguf")),
+        reference_greedy(hf_dir, _long_prompts(), MAX_NEW),
+        reference_greedy(hf_dir, _short_prompts(), MAX_NEW),
+    )
+
+
+def _rope_cos(llm, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the engine's RoPE cos table, the one built for `max_model_len`)."""
+    from pagedinfer.model.rotary import RotaryEmbedding
+
+    worker = llm.llm_engine.engine_core.executor.worker
+    built = RotaryEmbedding.of(worker.arch, worker.arch.max_position_embeddings, max_model_len)
+    return worker.model.rotary.cos, built.cos
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_phi3_long_factors_match_transformers(phi3_long: LongRopeCheckpoint, fmt: str) -> None:
+    """max_model_len 160 > 64: the long factors for every position, chunked prefill
+    included; transformers runs them too, since every prompt is longer than 64."""
+    from pagedinfer import LLM
+
+    with LLM(
+        phi3_long.path(fmt), dtype="float32", max_model_len=160, max_num_batched_tokens=32
+    ) as llm:
+        outs = _generate(llm, _long_prompts())
+        engine, long_tables = _rope_cos(llm, 160)
+        assert torch.equal(engine, long_tables)
+    assert [list(o.outputs[0].token_ids) for o in outs] == phi3_long.expected_long
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_phi3_short_factors_within_the_original_context(
+    phi3_long: LongRopeCheckpoint, fmt: str
+) -> None:
+    """max_model_len 64 = the original context: the short factors, as transformers runs
+    for sequences that never pass 64 tokens (under a longer max_model_len these prompts
+    would run the long ones: the tables differ)."""
+    from pagedinfer import LLM
+
+    with LLM(
+        phi3_long.path(fmt), dtype="float32", max_model_len=64, max_num_batched_tokens=32
+    ) as llm:
+        outs = _generate(llm, _short_prompts())
+        engine, short_tables = _rope_cos(llm, 64)
+        assert torch.equal(engine, short_tables)
+        assert not torch.equal(engine, _rope_cos(llm, 65)[1])
+    assert [list(o.outputs[0].token_ids) for o in outs] == phi3_long.expected_short

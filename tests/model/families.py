@@ -4,8 +4,9 @@
 head counts where the family allows, GQA, the family's own features: QKV biases, QK-norm...),
 gives it random weights from a seed, and saves it as a Hugging Face directory with a
 byte-level tokenizer. `convert_to_gguf(hf_dir, path)` writes the same weights as a GGUF
-file under llama.cpp's names (the `gguf` package's tensor-name map and metadata keys, and
-llama.cpp's Q/K row interleaving for its `llama` architecture), in float32.
+file under llama.cpp's names (the `gguf` package's tensor-name map and metadata keys,
+llama.cpp's Q/K row interleaving for its `llama` architecture, and what its converter
+writes for Phi-3's longrope), in float32.
 
 The reference for every test is transformers' forward on the saved directory
 (`reference_greedy`).
@@ -40,6 +41,12 @@ _BASE: dict[str, Any] = {
     "pad_token_id": 0,
     "tie_word_embeddings": False,
 }
+
+_rng = np.random.default_rng(3)
+_SHORT_FACTORS = [round(float(f), 4) for f in 1.0 + 0.3 * _rng.random(8)]
+_LONG_FACTORS = [round(float(f), 4) for f in np.sort(1.0 + 20.0 * _rng.random(8) ** 2)]
+"""Random longrope factors for head_dim 16 (the long ones growing with the wavelength, as
+Phi-3's do, and far enough from the short ones to change the tokens)."""
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"config": "LlamaConfig", "model": "LlamaForCausalLM", "gguf_arch": "llama",
@@ -89,6 +96,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                                          "rope_theta": 10000.0}},
                "extra": {"sliding_window": 20, "query_pre_attn_scalar": 16,
                          "num_hidden_layers": 6, "hidden_activation": "gelu_pytorch_tanh"}},
+    # Phi-3: fused qkv_proj / gate_up_proj, a window (24) on every layer and longrope. The
+    # original context (256) is at least every test's max_model_len, so the short factors
+    # run on both sides; max_position_embeddings 1024 makes the attention factor
+    # sqrt(1 + ln 4 / ln 256), not 1.
+    "phi3": {"config": "Phi3Config", "model": "Phi3ForCausalLM", "gguf_arch": "phi3",
+             "rope_theta": 10000.0,
+             "rope": {"rope_type": "longrope", "short_factor": _SHORT_FACTORS,
+                      "long_factor": _LONG_FACTORS},
+             "extra": {"sliding_window": 24, "original_max_position_embeddings": 256}},
+    # The same over a 64-token original context: an engine with max_model_len > 64 runs the
+    # long factors for every position, transformers only once a sequence passes 64 tokens,
+    # so it is tested with longer prompts (and with max_model_len <= 64, the short ones),
+    # not by the every-path test.
+    "phi3-long": {"config": "Phi3Config", "model": "Phi3ForCausalLM", "gguf_arch": "phi3",
+                  "rope_theta": 10000.0, "long_prompts_only": True,
+                  "rope": {"rope_type": "longrope", "short_factor": _SHORT_FACTORS,
+                           "long_factor": _LONG_FACTORS},
+                  "extra": {"sliding_window": 24, "original_max_position_embeddings": 64,
+                            "max_position_embeddings": 256}},
 }  # fmt: skip
 """family -> transformers classes, llama.cpp architecture and its own config values."""
 
@@ -105,8 +131,8 @@ def _config(family: str) -> Any:
     }
     if spec.get("tie"):
         kwargs["tie_word_embeddings"] = True
-    if spec["config"] == "Qwen2Config":
-        kwargs.pop("head_dim")  # Qwen2 derives it: hidden / heads
+    if spec["config"] in ("Qwen2Config", "Phi3Config"):
+        kwargs.pop("head_dim")  # derived: hidden / heads
         kwargs["hidden_size"] = _BASE["num_attention_heads"] * _BASE["head_dim"]
     config = getattr(transformers, spec["config"])(**kwargs)
     config.architectures = [spec["model"]]
@@ -170,8 +196,9 @@ def _llama3_factors(head_dim: int, rope: dict[str, Any]) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def convert_to_gguf(hf_dir: str, path: str) -> str:
-    """The checkpoint of `hf_dir` as a float32 GGUF file at `path` (llama.cpp's names)."""
+def convert_to_gguf(hf_dir: str, path: str, quant: str | None = None) -> str:
+    """The checkpoint of `hf_dir` as a GGUF file at `path` (llama.cpp's names): float32, or
+    with its layers' matrices in `quant` ("Q8_0": the `gguf` package's quantiser)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -180,8 +207,8 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
     cfg = json.loads(open(os.path.join(hf_dir, "config.json")).read())
     arch_name = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma2ForCausalLM": "gemma2",
-                 "Gemma3ForCausalLM": "gemma3"}[cfg["architectures"][0]]  # fmt: skip
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "Phi3ForCausalLM": "phi3"}[cfg["architectures"][0]]  # fmt: skip
     gemma = arch_name.startswith("gemma")
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     n_layers = cfg["num_hidden_layers"]
@@ -204,13 +231,29 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
         rope = rope["full_attention"]  # the sliding layers' base is llama.cpp's fixed 10k
         assert cfg["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
     writer.add_rope_freq_base(rope["rope_theta"])
-    if cfg.get("sliding_window") is not None:
+    if arch_name == "phi3":
+        # As llama.cpp's converter (Phi3MiniModel): the original context always, the window
+        # always (0: none).
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    elif cfg.get("sliding_window") is not None:
         writer.add_sliding_window(cfg["sliding_window"])
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
             getattr(writer, f"add_{key}")(cfg[key])
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, rope))
+    elif rope["rope_type"] == "longrope":
+        # llama.cpp's converter: cos/sin scaled by transformers' default attention factor of
+        # the context's ratio, the factors as two tensors.
+        orig = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / orig
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+        )
+        for kind in ("long", "short"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     elif rope["rope_type"] != "default":
         raise ValueError(f"no GGUF form here for RoPE type {rope['rope_type']!r}")
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -234,7 +277,12 @@ def convert_to_gguf(hf_dir: str, path: str) -> str:
             tensor = _permute_like_llama_cpp(tensor, kv_heads)
         elif gemma and hf_name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp's converter stores Gemma's 1 + weight
-        writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if quant is not None and name.startswith("blk.") and tensor.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -58,7 +58,7 @@ class FakeExecutor(Executor):
             kv_bytes_per_block=1,
         )
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         pass
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -144,6 +144,74 @@ def test_family_fields_the_model_lacks_are_refused_by_name(
         hf_arch_config(str(tmp_path), has_lm_head=False)
 
 
+_FACTORS = {"short_factor": [1.0 + 0.01 * i for i in range(8)], "long_factor": [2.0] * 8}
+
+
+def test_phi3_config_is_read(tmp_path: Path) -> None:
+    phi3 = _tiny(
+        transformers.Phi3Config, sliding_window=24, max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, **_FACTORS},
+    )  # fmt: skip
+    path = _save(phi3, tmp_path)
+    config = hf_arch_config(path, has_lm_head=True)
+    assert config.architecture == "Phi3ForCausalLM" and config.head_dim == 16
+    assert [config.attention_options(i).sliding_window for i in range(2)] == [24, 24]
+    scaling = config.rope_scaling
+    assert scaling is not None and scaling.rope_type == "longrope"
+    assert (scaling.original_max_position_embeddings, scaling.factor) == (64, 4.0)
+    assert scaling.short_factor == tuple(_FACTORS["short_factor"])
+    assert scaling.long_factor == (2.0,) * 8 and scaling.attention_factor is None
+    # A released config's form: `su` in rope_scaling, the original context at the top level
+    # (it wins over the dict's, as in Phi3Config), remote-code pointers, attention_bias
+    # false, a window spanning the context (Phi-3-mini-128k: none in effect).
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["rope_parameters"]
+    cfg |= {
+        "rope_theta": 1e4, "rope_scaling": {"type": "su", **_FACTORS,
+                                            "original_max_position_embeddings": 32},
+        "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config"}, "attention_bias": False,
+        "sliding_window": 262144,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = hf_arch_config(path, has_lm_head=True)
+    assert config.rope_scaling == scaling and config.sliding_window is None
+    plain = _tiny(transformers.Phi3Config)  # Phi-3-mini-4k: plain RoPE, no window
+    config = hf_arch_config(_save(plain, tmp_path / "plain"), has_lm_head=True)
+    assert config.rope_scaling is None and config.sliding_window is None
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        # Phi-4-mini rotates 3/4 of each head.
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                 "partial_rotary_factor": 0.75}},
+            "rope_parameters.partial_rotary_factor=0.75",
+        ),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                 "short_factor": [1.0] * 4, "long_factor": [2.0] * 8}},
+            "longrope short_factor",
+        ),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        ({"layer_types": ["sliding_attention"] * 2}, "field 'layer_types'"),
+    ],
+)  # fmt: skip
+def test_phi3_fields_the_model_lacks_are_refused_by_name(
+    tmp_path: Path, change: dict[str, Any], named: str
+) -> None:
+    _save(_tiny(transformers.Phi3Config), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=named):
+        hf_arch_config(str(tmp_path), has_lm_head=True)
+
+
 @pytest.mark.parametrize(
     "cls", [transformers.MixtralConfig, transformers.Qwen2MoeConfig, transformers.Qwen3MoeConfig]
 )

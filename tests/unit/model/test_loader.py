@@ -364,3 +364,110 @@ def test_load_plan_reads_exactly_a_ranks_shard(default_gguf_path: str) -> None:
     assert torch.equal(embed, full["model.embed_tokens.weight"][16384:32768])
     down = "model.layers.15.mlp.down_proj.weight"  # row-parallel: cut by columns later
     assert torch.equal(part[down], full[down])
+
+
+def test_phi3_fused_matrices_split_in_both_formats(tmp_path: Path) -> None:
+    """Phi-3's qkv_proj / gate_up_proj (llama.cpp's attn_qkv / ffn_up) come back as Llama's
+    q/k/v and gate/up rows, from the HF directory and from GGUF alike; a tensor-parallel
+    rank reads its rows of each part; a Q8_0 file's blocks split the same way."""
+    from safetensors.torch import load_file
+
+    from pagedinfer.model.loader import load_quant_blocks
+    from tests.model.families import convert_to_gguf, make_family_dir
+
+    hf_dir = make_family_dir("phi3", str(tmp_path / "hf"))
+    gguf_path = convert_to_gguf(hf_dir, str(tmp_path / "f32.gguf"))
+    config, from_hf = load_model_weights(hf_dir)
+    gguf_config, from_gguf = load_model_weights(gguf_path)
+    assert set(from_hf) == set(from_gguf)
+    assert all(torch.equal(from_hf[k], from_gguf[k]) for k in from_hf)
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in from_hf)
+    fused = load_file(os.path.join(hf_dir, "model.safetensors"))
+    p = "model.layers.1."
+    qkv, gate_up = fused[p + "self_attn.qkv_proj.weight"], fused[p + "mlp.gate_up_proj.weight"]
+    q_rows, kv_rows, inter = 6 * 16, 2 * 16, config.intermediate_size  # [q; k; v], [gate; up]
+    expected = {
+        "self_attn.q_proj": qkv[:q_rows], "self_attn.k_proj": qkv[q_rows : q_rows + kv_rows],
+        "self_attn.v_proj": qkv[q_rows + kv_rows :], "mlp.gate_proj": gate_up[:inter],
+        "mlp.up_proj": gate_up[inter:],
+    }  # fmt: skip
+    for name, rows in expected.items():
+        assert torch.equal(from_gguf[f"{p}{name}.weight"], rows), name
+
+    from pagedinfer.model.sharding import load_plan
+
+    wanted, row_plan = load_plan(gguf_config, 1, 2, 0, 1)  # TP rank 1 of 2
+    _, shard = load_model_weights(gguf_path, wanted=wanted, rows=row_plan)
+    halves = {"self_attn.q_proj": q_rows // 2, "self_attn.k_proj": kv_rows // 2,
+              "self_attn.v_proj": kv_rows // 2, "mlp.gate_proj": inter // 2,
+              "mlp.up_proj": inter // 2}  # fmt: skip
+    for name, half in halves.items():
+        assert torch.equal(shard[f"{p}{name}.weight"], expected[name][half:]), name
+
+    q8_path = convert_to_gguf(hf_dir, str(tmp_path / "q8.gguf"), quant="Q8_0")
+    q8_config, dense = load_model_weights(q8_path)
+    blocks = load_quant_blocks(q8_path, q8_config)
+    matrices = (*halves, "self_attn.o_proj", "mlp.down_proj")
+    assert {k for k in blocks if k.startswith(p)} == {f"{p}{n}.weight" for n in matrices}
+    for name in blocks:
+        np.testing.assert_array_equal(blocks[name].dequantize(), dense[name].numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({}, 24),
+        ({"phi3.attention.sliding_window": 0}, None),  # Phi-4: none
+        ({"phi3.attention.sliding_window": 1024}, None),  # spans the context: none in effect
+        ({"phi3.attention.sliding_window": None}, "lacks phi3.attention.sliding_window"),
+        ({"phi3.expert_count": 4}, "GGUF metadata phi3.expert_count = 4 is not supported"),
+        ({"phi3.rope.scaling.type": "yarn"}, "rope.scaling.type 'yarn' beside rope_factors"),
+    ],
+    ids=["window", "zero", "whole-context", "absent", "unknown-key", "scaling-type"],
+)
+def test_phi3_gguf_metadata(tmp_path: Path, metadata: dict[str, Any], expected: Any) -> None:
+    from tests.model.families import convert_to_gguf, make_family_dir
+
+    path = convert_to_gguf(make_family_dir("phi3", str(tmp_path / "hf")), str(tmp_path / "m.gguf"))
+    if metadata:
+        path = _with_metadata(tmp_path, path, metadata)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            load_model_config(path)
+    else:
+        assert load_model_config(path).sliding_window == expected
+
+
+def _with_metadata(tmp_path: Path, path: str, changes: dict[str, Any]) -> str:
+    """A copy of a GGUF file with some metadata values changed (uint32, float32, string),
+    added, or (value None) removed."""
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(path)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    out = str(tmp_path / "changed.gguf")
+    writer = gguf.GGUFWriter(out, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        if field.name in changes:
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(field.name, value)
+        else:
+            writer.add_key_value(field.name, value, kind)
+    for key, value in changes.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif value is not None:
+            writer.add_float32(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -14,7 +14,10 @@ from pagedinfer.model.registry import (
     supported_architectures,
 )
 
-LLAMA_LIKE = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+LLAMA_LIKE = [
+    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+]  # fmt: skip
 GEMMA = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
 
 
@@ -25,10 +28,11 @@ def test_supported_families_resolve_to_the_decoder() -> None:
     assert supported_architectures() == sorted(LLAMA_LIKE + GEMMA)
     assert all(get_model_class(name) is LlamaForCausalLM for name in LLAMA_LIKE)
     assert all(get_model_class(name) is GemmaForCausalLM for name in GEMMA)
-    names = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+    names = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
     assert [gguf_architecture(n) for n in names] == [
-        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA
+        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA, "Phi3ForCausalLM"
     ]  # fmt: skip
+    assert architecture_features("Phi3ForCausalLM") == {}
     assert architecture_features("LlamaForCausalLM") == {}
     assert architecture_features("Gemma3ForCausalLM")["gemma_norms"] is True
     assert architecture_features("Qwen2ForCausalLM") == {"qkv_bias": True}
@@ -54,6 +58,6 @@ def test_unknown_gguf_architecture_lists_the_supported_ones(name: str | None) ->
     with pytest.raises(
         ValueError,
         match=r"GGUF architecture .* is not supported \(supported: 'gemma2', 'gemma3', 'llama', "
-        r"'qwen2', 'qwen3'\)",
+        r"'phi3', 'qwen2', 'qwen3'\)",
     ):
         gguf_architecture(name)

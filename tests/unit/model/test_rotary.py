@@ -1,5 +1,6 @@
 """RoPE frequencies of every implemented type equal transformers' own, bit for bit, and a
-GGUF file's frequency factors (llama.cpp's form of Llama 3.1 scaling) give the same RoPE."""
+GGUF file's frequency factors (llama.cpp's form of Llama 3.1 scaling) give the same RoPE;
+Phi-3's longrope tables equal transformers' with its short and with its long factors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pagedinfer.model.arch_config import ROPE_SCALING_KEYS, ModelArchConfig, RopeScaling
-from pagedinfer.model.rotary import RotaryEmbedding, inverse_frequencies
+from pagedinfer.model.rotary import RotaryEmbedding, inverse_frequencies, uses_long_factors
 
 transformers = pytest.importorskip("transformers", reason="transformers' RoPE is the reference")
 
@@ -98,3 +99,55 @@ def test_tables_scale_cos_and_sin_by_the_attention_factor() -> None:
     scaled = RotaryEmbedding.of(config, 64)
     assert torch.equal(scaled.cos[0], torch.full((16,), 1.5))  # position 0: cos 1, scaled
     assert not torch.equal(scaled.cos[5] / 1.5, plain.cos[5])  # and the frequencies differ
+
+
+@pytest.mark.parametrize("head_dim", [16, 96])
+@pytest.mark.parametrize(
+    "given", [{}, {"factor": 2.0}, {"attention_factor": 1.25}], ids=["derived", "factor", "attn"]
+)
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_longrope_tables_equal_transformers(head_dim: int, given: dict[str, float], long: bool):
+    """transformers' Phi3RotaryEmbedding picks the factors per call (long iff the call's
+    last position + 1 > original_max_position_embeddings); ours are picked once, by
+    max_model_len: equal tables for a call up to the original context with max_model_len
+    at most it, and for a longer call with a longer max_model_len."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(head_dim)
+    short = (1 + 0.3 * torch.rand(head_dim // 2, generator=gen)).tolist()
+    long_factor = (1 + 20 * torch.rand(head_dim // 2, generator=gen) ** 2).tolist()
+    base, original, max_positions = 10000.0, 64, 256
+    params = {"rope_type": "longrope", "short_factor": short, "long_factor": long_factor, **given}
+    config = transformers.Phi3Config(
+        hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_positions,
+        original_max_position_embeddings=original, rope_parameters={**params, "rope_theta": base},
+    )  # fmt: skip
+    num_positions = 200 if long else original
+    x = torch.zeros(1, num_positions, head_dim)
+    cos, sin = Phi3RotaryEmbedding(config)(x, torch.arange(num_positions)[None])
+    scaling = RopeScaling(
+        "longrope", factor=given.get("factor", max_positions / original),
+        original_max_position_embeddings=original, short_factor=tuple(short),
+        long_factor=tuple(long_factor), attention_factor=given.get("attention_factor"),
+    )  # fmt: skip
+    assert uses_long_factors(scaling, num_positions) is long
+    ours = RotaryEmbedding(head_dim, max_positions, base, scaling, max_positions, num_positions)
+    assert torch.equal(ours.cos[:num_positions], cos[0])
+    assert torch.equal(ours.sin[:num_positions], sin[0])
+    # The other factors give other tables: the choice is real.
+    other = RotaryEmbedding(head_dim, max_positions, base, scaling, max_positions,
+                            original + 1 if not long else original)  # fmt: skip
+    assert not torch.equal(other.cos[:num_positions], cos[0])
+
+
+def test_longrope_switches_above_the_original_context() -> None:
+    scaling = RopeScaling(
+        "longrope", factor=4.0, original_max_position_embeddings=64,
+        short_factor=(1.0,) * 8, long_factor=(2.0,) * 8,
+    )  # fmt: skip
+    assert [uses_long_factors(scaling, n) for n in (1, 64, 65, 256)] == [False, False, True, True]
+    # max_model_len None: the model's context length (256 > 64), as vLLM's default.
+    _, factor = inverse_frequencies(16, 10000.0, scaling, 256)
+    inv_freq = inverse_frequencies(16, 10000.0, scaling, 256)[0]
+    assert float(inv_freq[1]) == pytest.approx(10000.0 ** -(2 / 16) / 2.0, rel=1e-6)
+    assert factor == math.sqrt(1 + math.log(4.0) / math.log(64))
