@@ -296,3 +296,44 @@ def test_guided_decoding_fields(server, client) -> None:
         {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
     )  # fmt: skip
     assert status == 400 and "at most one" in err["error"]["message"]
+
+
+def test_unimplemented_fields_are_refused_by_name_and_harmless_ones_ignored(server, client) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError, match="'tools' \\(tool calling is not"):
+        client.chat.completions.create(**chat, tools=[tool], tool_choice="required")
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{}"}}]},
+    ]  # fmt: skip
+    status, body = _raw(server, "/v1/chat/completions", {**chat, "messages": history})
+    assert status == 400 and "'tool_calls'" in body["error"]["message"]
+    completion = {"model": MODEL, "prompt": "x", "max_tokens": 1, "foo": 1, "best_of": 3}
+    status, body = _raw(server, "/v1/completions", completion)
+    assert status == 400
+    assert "unsupported fields for /v1/completions: 'foo', 'best_of'" in body["error"]["message"]
+    # Bookkeeping fields, and others at the value that changes nothing, are accepted.
+    done = client.chat.completions.create(
+        **chat, user="u1", metadata={"k": "v"}, store=False, parallel_tool_calls=True,
+        extra_body={"priority": 0, "spaces_between_special_tokens": True},
+    )  # fmt: skip
+    assert done.choices[0].finish_reason == "length"
+    done = client.completions.create(model=MODEL, prompt="x", max_tokens=1, best_of=1, n=1)
+    assert done.choices[0].finish_reason == "length"
+
+
+def test_model_retrieve_request_id_and_stop_string_kept(server, client) -> None:
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    req = urllib.request.Request(server + "/v1/models", headers={"X-Request-Id": "abc-123"})
+    req.add_header("Authorization", f"Bearer {KEY}")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["X-Request-Id"] == "abc-123"
+    kept = client.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=20, temperature=0.0, stop=[","],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text.endswith(",") and kept.choices[0].finish_reason == "stop"

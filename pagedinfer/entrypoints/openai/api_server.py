@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -100,17 +101,32 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
     return await handler.create_detokenize(request)
 
 
-@router.get("/v1/models", responses={200: {"model": ModelList}})
-async def show_available_models(raw_request: Request) -> Response:
-    state = raw_request.app.state
-    card = ModelCard(
+def _model_card(state: Any) -> ModelCard:
+    return ModelCard(
         id=state.model_name,
         object="model",
         created=state.created,
         owned_by="pagedinfer",
         max_model_len=state.engine_client.max_model_len,
     )
-    return json_response(ModelList(object="list", data=[card]))
+
+
+@router.get("/v1/models", responses={200: {"model": ModelList}})
+async def show_available_models(raw_request: Request) -> Response:
+    return json_response(ModelList(object="list", data=[_model_card(raw_request.app.state)]))
+
+
+@router.get("/v1/models/{model_id:path}", responses={200: {"model": ModelCard}})
+async def retrieve_model(model_id: str, raw_request: Request) -> Response:
+    """OpenAI's `models.retrieve`: the served model's card, else a 404 naming it."""
+    state = raw_request.app.state
+    if model_id != state.model_name:
+        return error_response(
+            404,
+            f"The model {model_id!r} does not exist; this server serves {state.model_name!r}.",
+            "model",
+        )
+    return json_response(_model_card(state))
 
 
 @router.post("/v1/completions", responses={200: {"model": CompletionResponse}})
@@ -136,7 +152,8 @@ async def _invalid(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return error_response(400, f"{param or 'body'}: {message}", param)
 
 
 async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -145,6 +162,17 @@ async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Respo
         if request.headers.get("authorization") != f"Bearer {api_key}":
             return error_response(401, "Invalid or missing API key.")
     return await call_next(request)
+
+
+async def _request_id(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    """A client's `X-Request-Id` comes back on the response (errors and streams too), so
+    it can match answers to requests across proxies."""
+    response = await call_next(request)
+    if (request_id := request.headers.get("x-request-id")) is not None:
+        response.headers["X-Request-Id"] = request_id
+    return response
 
 
 def build_app(
@@ -171,6 +199,7 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.middleware("http")(_auth)
+    app.middleware("http")(_request_id)  # outermost: it also tags the 401s
 
     state = app.state
     state.engine_client = engine_client

@@ -1,9 +1,13 @@
 """The OpenAI-compatible API's bodies: pydantic models for requests, TypedDicts for responses.
 
 Requests check types and ranges only (cross-field rules and the conversion to
-`SamplingParams` are in `serving_engine.py`); unknown fields are ignored, as OpenAI's clients
-send some we do not use. The request class names appear in validation messages that reach
-clients, so they are part of the wire format.
+`SamplingParams` are in `serving_engine.py`). A completion or chat request field this server
+does not implement is refused with a 400 naming it, never dropped silently (a dropped `tools`
+looks like the model ignoring them); only the fields in `IGNORED_FIELDS`, which cannot change
+an answer (bookkeeping such as `user` or `metadata`), or those at a value that changes
+nothing (`IGNORED_AT_DEFAULT`, e.g. `best_of` equal to `n`), are accepted and ignored. The
+request class names appear in validation messages that reach clients, so they are part of
+the wire format.
 
 Responses are TypedDicts: mypy checks every key and value where a handler builds one, and the
 routes name them for the OpenAPI schema, but at run time each is the plain dict that is
@@ -19,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from typing_extensions import NotRequired, TypedDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing_extensions import NotRequired, Self, TypedDict
 
 __all__ = [
     "ChatCompletionLogprobs",
@@ -41,6 +45,8 @@ __all__ = [
     "DeltaMessage",
     "DetokenizeRequest",
     "DetokenizeResponse",
+    "IGNORED_AT_DEFAULT",
+    "IGNORED_FIELDS",
     "ErrorInfo",
     "ErrorResponse",
     "JsonSchemaFormat",
@@ -59,6 +65,59 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ requests
+
+IGNORED_FIELDS = frozenset(
+    {
+        # OpenAI's bookkeeping and hints: none of them changes the tokens or their order.
+        "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+        "prediction",
+        # Only about several tool calls at once; tool calls themselves are refused below.
+        "parallel_tool_calls",
+    }
+)  # fmt: skip
+"""Request fields accepted and ignored: they cannot change an answer."""
+
+IGNORED_AT_DEFAULT: dict[str, tuple[object, ...]] = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "modalities": (None, ["text"]),
+    "spaces_between_special_tokens": (True,),
+    "echo_chat": (False,),
+    "priority": (0,),
+}
+"""Request fields accepted only at values that change nothing (OpenAI's and vLLM's names):
+another value is refused by name. (`best_of` equal to `n` is checked separately.)"""
+
+_NOT_YET: dict[str, str] = {
+    name: "tool calling is not implemented yet"
+    for name in ("tools", "tool_choice", "functions", "function_call", "tool_calls")
+}
+"""Fields refused with a reason of their own."""
+
+
+def _refuse_unknown(request: BaseModel, endpoint: str) -> None:
+    """ValueError naming every field of `request` this server does not implement (those
+    pydantic kept as extras), unless ignorable (`IGNORED_FIELDS`, `IGNORED_AT_DEFAULT`)."""
+    extra = request.model_extra or {}
+    refused = []
+    for name, value in extra.items():
+        if name in IGNORED_FIELDS:
+            continue
+        key = "echo_chat" if name == "echo" else name  # completions implement echo
+        if key in IGNORED_AT_DEFAULT and value in IGNORED_AT_DEFAULT[key]:
+            continue
+        if name == "best_of" and value == getattr(request, "n", 1):
+            continue
+        why = _NOT_YET.get(name)
+        if why is None and key in IGNORED_AT_DEFAULT:
+            why = f"only {' or '.join(repr(v) for v in IGNORED_AT_DEFAULT[key])} is supported"
+        refused.append(f"{name!r} ({why})" if why else repr(name))
+    if refused:
+        raise ValueError(
+            f"unsupported field{'s' if len(refused) > 1 else ''} for {endpoint}: "
+            f"{', '.join(refused)}; pagedinfer does not implement "
+            f"{'them' if len(refused) > 1 else 'it'} (docs/serving.md lists the fields)"
+        )
 
 
 class StreamOptions(BaseModel):
@@ -100,7 +159,8 @@ class SamplingFields(BaseModel):
     """The sampling, stop, guided-decoding and streaming fields that completion and chat
     requests share (`serving_engine.to_sampling_params` turns them into SamplingParams)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Extras are kept to be refused by name (`_refuse_unknown`), not dropped.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -118,6 +178,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -144,12 +206,27 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
+    @model_validator(mode="after")
+    def _known_fields_only(self) -> Self:
+        _refuse_unknown(self, "/v1/completions")
+        return self
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One message of a chat history; `name` and `tool_call_id` reach the chat template
+    as given (templates may render them)."""
+
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _known_fields_only(self) -> Self:
+        _refuse_unknown(self, "a chat message")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -158,6 +235,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _known_fields_only(self) -> Self:
+        _refuse_unknown(self, "/v1/chat/completions")
+        return self
 
 
 class TokenizeRequest(BaseModel):

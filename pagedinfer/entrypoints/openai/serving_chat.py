@@ -29,10 +29,10 @@ from pagedinfer.entrypoints.openai.protocol import (
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    chat_text,
     error_response,
     failure,
     json_response,
+    template_message,
     to_sampling_params,
     usage_info,
     watched,
@@ -85,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         if (bad := self.check_model(request.model)) is not None:
             return bad
         try:
-            messages = [{"role": m.role, "content": chat_text(m.content)} for m in request.messages]
+            messages = [template_message(m) for m in request.messages]
             prompt_ids = cast(
                 "list[int]",
                 self.tokenizer.apply_chat_template(

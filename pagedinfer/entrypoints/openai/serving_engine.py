@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedinfer.engine.core_client import EngineDeadError
 from pagedinfer.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
+    ChatMessage,
     CompletionStreamResponse,
     ErrorInfo,
     ErrorResponse,
@@ -46,6 +47,7 @@ __all__ = [
     "error_response",
     "failure",
     "json_response",
+    "template_message",
     "to_sampling_params",
     "usage_info",
     "watched",
@@ -156,6 +158,8 @@ def to_sampling_params(
         logit_bias=bias,
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=logprobs,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         structured_outputs=_to_structured_outputs_params(request),
@@ -165,6 +169,17 @@ def to_sampling_params(
             else None
         ),
     )
+
+
+def template_message(message: ChatMessage) -> dict[str, str]:
+    """A request message as the chat template sees it: role, text content, and `name` /
+    `tool_call_id` when given."""
+    out = {"role": message.role, "content": chat_text(message.content)}
+    for key in ("name", "tool_call_id"):
+        value = getattr(message, key)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def chat_text(content: str | list[dict[str, Any]] | None) -> str:

@@ -18,9 +18,9 @@ from pagedinfer.entrypoints.openai.protocol import (
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    chat_text,
     error_response,
     json_response,
+    template_message,
 )
 
 if TYPE_CHECKING:
@@ -39,9 +39,7 @@ class OpenAIServingTokenization(OpenAIServing):
             return error_response(400, "Give exactly one of 'prompt' and 'messages'.", "prompt")
         try:
             if request.messages is not None:
-                messages = [
-                    {"role": m.role, "content": chat_text(m.content)} for m in request.messages
-                ]
+                messages = [template_message(m) for m in request.messages]
                 ids = cast(
                     "list[int]",
                     self.tokenizer.apply_chat_template(
