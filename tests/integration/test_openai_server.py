@@ -337,3 +337,55 @@ def test_model_retrieve_request_id_and_stop_string_kept(server, client) -> None:
         extra_body={"include_stop_str_in_output": True},
     )  # fmt: skip
     assert kept.choices[0].text.endswith(",") and kept.choices[0].finish_reason == "stop"
+
+
+def test_echo_scores_the_prompt_as_evaluation_tools_read_it(server, client, llm) -> None:
+    """lm-evaluation-harness's `local-completions` loglikelihood request: echo, logprobs 1,
+    max_tokens 0, a list of prompts. Each choice's logprobs cover the prompt tokens (the
+    first null) and equal the offline engine's prompt logprobs."""
+    from pagedinfer import SamplingParams
+
+    prompts = ["The capital of France is Paris", "1, 2, 3, 4"]
+    done = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0.0
+    )
+    assert done.usage.completion_tokens == 0
+    offline = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    for choice, prompt, ref in zip(done.choices, prompts, offline):
+        assert choice.text == prompt and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ref.prompt_token_ids) == len(lp.token_logprobs)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+        assert all(len(top) >= 1 for top in lp.top_logprobs[1:])  # the top-1 (and the token)
+    # Generating after the echo: the prompt's entries, then the new tokens', offsets running on.
+    more = client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=3, echo=True, logprobs=2, temperature=0.0
+    ).choices[0]
+    n_prompt = len(offline[1].prompt_token_ids)
+    assert len(more.logprobs.tokens) == n_prompt + 3
+    assert more.logprobs.text_offset == sorted(more.logprobs.text_offset)
+    assert more.logprobs.text_offset[n_prompt] == len(prompts[1])
+    status, body = _raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert status == 400 and "echo" in body["error"]["message"]
+
+
+def test_prompt_logprobs_field_on_both_endpoints(server) -> None:
+    status, body = _raw(
+        server, "/v1/completions",
+        {"model": MODEL, "prompt": "Hello there", "max_tokens": 1, "prompt_logprobs": 2},
+    )  # fmt: skip
+    assert status == 200
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and all(len(e) >= 2 for e in entries[1:])
+    first = next(iter(entries[1].values()))
+    assert set(first) == {"logprob", "rank", "decoded_token"}
+    messages = [{"role": "user", "content": "Hi"}]
+    status, body = _raw(
+        server, "/v1/chat/completions",
+        {"model": MODEL, "messages": messages, "max_tokens": 1, "prompt_logprobs": 0},
+    )  # fmt: skip
+    assert status == 200 and body["prompt_logprobs"][0] is None
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]

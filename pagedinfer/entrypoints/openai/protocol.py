@@ -52,6 +52,8 @@ __all__ = [
     "JsonSchemaFormat",
     "ModelCard",
     "ModelList",
+    "PromptLogprob",
+    "PromptLogprobsBody",
     "PromptTokensDetails",
     "ResponseFormat",
     "SamplingFields",
@@ -164,7 +166,8 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=16)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    """0 only on /v1/completions with `echo`: score the prompt without generating."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
@@ -180,6 +183,9 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """vLLM's field: the prompt tokens' logprobs (and this many top ones), returned as
+    `prompt_logprobs` (per choice on /v1/completions, per response on chat)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -304,6 +310,17 @@ class CompletionLogprobs(TypedDict):
     text_offset: list[int]
 
 
+class PromptLogprob(TypedDict):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobsBody = list[dict[str, PromptLogprob] | None]
+"""vLLM's `prompt_logprobs`: per prompt token, token id (as a string) -> its logprob; None
+for the first token, which nothing predicts."""
+
+
 class CompletionResponseChoice(TypedDict):
     """One choice of a completion; the same shape in a stream chunk, `text` a delta."""
 
@@ -312,6 +329,7 @@ class CompletionResponseChoice(TypedDict):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    prompt_logprobs: NotRequired[PromptLogprobsBody]
 
 
 class CompletionResponse(TypedDict):
@@ -373,6 +391,7 @@ class ChatCompletionResponse(TypedDict):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: NotRequired[PromptLogprobsBody]
     kv_transfer_params: NotRequired[dict[str, Any]]
     """What a decode instance needs to fetch this prompt's KV (disaggregated prefill)."""
 

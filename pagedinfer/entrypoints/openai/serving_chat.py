@@ -32,6 +32,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     error_response,
     failure,
     json_response,
+    prompt_logprobs_body,
     template_message,
     to_sampling_params,
     usage_info,
@@ -154,6 +155,9 @@ class OpenAIServingChat(OpenAIServing):
                 final.num_external_cached_tokens,
             ),
         )
+        if request.prompt_logprobs is not None:
+            body = prompt_logprobs_body(final.prompt_logprobs, self.tokenizer)
+            response["prompt_logprobs"] = body or []
         if final.kv_transfer_params is not None:
             response["kv_transfer_params"] = final.kv_transfer_params
         return response

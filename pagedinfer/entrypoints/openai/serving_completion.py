@@ -4,7 +4,11 @@ for a single prompt, as an SSE stream.
 Every prompt of a non-streaming request is validated before any runs, so one bad prompt
 fails the whole request with a 400 and nothing reaches the engine. Choice `i * n + j` is
 output `j` of prompt `i`. With `echo`, a choice's text starts with its prompt (in a stream,
-on that choice's first chunk). Built and routed by `api_server.py`.
+on that choice's first chunk), and with `logprobs` its logprobs start with the prompt
+tokens' (the first one's null), as OpenAI's legacy API and vLLM answer: what evaluation
+tools (lm-evaluation-harness's `local-completions`) score continuations with. `max_tokens`
+0 with `echo` scores the prompt without generating (the engine runs one token, which is
+dropped). Built and routed by `api_server.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     error_response,
     failure,
     json_response,
+    prompt_logprobs_body,
     to_sampling_params,
     usage_info,
     watched,
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
     from pagedinfer.sampling_params import SamplingParams
     from pagedinfer.tokenizer import Tokenizer
 
-__all__ = ["OpenAIServingCompletion", "completion_logprobs"]
+__all__ = ["OpenAIServingCompletion", "completion_logprobs", "echo_logprobs"]
 
 
 def completion_logprobs(
@@ -69,6 +74,42 @@ def completion_logprobs(
     )
 
 
+def echo_logprobs(
+    res: RequestOutput, tokenizer: Tokenizer
+) -> tuple[CompletionLogprobs, int] | None:
+    """The legacy logprobs of `res`'s prompt tokens (the first token's null: nothing
+    predicts it) and the length of their text; None without prompt logprobs."""
+    if res.prompt_logprobs is None:
+        return None
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    offset = 0
+    for token_id, entry in zip(res.prompt_token_ids, res.prompt_logprobs):
+        text = tokenizer.decode([token_id])
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(entry[token_id].logprob if token_id in entry else None)
+        out["top_logprobs"].append(
+            {(lp.decoded_token or tokenizer.decode([t])): lp.logprob for t, lp in entry.items()}
+        )
+    return out, offset
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs | None) -> CompletionLogprobs:
+    if then is None:
+        return first
+    return CompletionLogprobs(
+        tokens=first["tokens"] + then["tokens"],
+        token_logprobs=first["token_logprobs"] + then["token_logprobs"],
+        top_logprobs=first["top_logprobs"] + then["top_logprobs"],
+        text_offset=first["text_offset"] + then["text_offset"],
+    )
+
+
 class OpenAIServingCompletion(OpenAIServing):
     """Handles `/v1/completions`."""
 
@@ -84,8 +125,19 @@ class OpenAIServingCompletion(OpenAIServing):
             return error_response(400, "prompt: streaming takes one prompt", "prompt")
         if request.kv_transfer_params is not None and len(prompts) > 1:
             return error_response(400, "prompt: kv_transfer_params takes one prompt", "prompt")
+        score_only = request.max_tokens == 0
+        if score_only and (not request.echo or request.stream):
+            return error_response(
+                400, "max_tokens: 0 scores an echoed prompt: it needs echo and no stream",
+                "max_tokens",
+            )  # fmt: skip
+        # Echoed logprobs cover the prompt too, with as many top entries as the rest.
+        prompt_k = request.logprobs if request.echo and request.logprobs is not None else None
+        if request.prompt_logprobs is not None:
+            prompt_k = max(prompt_k or 0, request.prompt_logprobs)
+        max_tokens = 1 if score_only else request.max_tokens or 16
         try:
-            params = to_sampling_params(request, request.max_tokens or 16, request.logprobs)
+            params = to_sampling_params(request, max_tokens, request.logprobs, prompt_k)
         except (ValueError, TypeError) as exc:
             return error_response(400, str(exc))
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -136,19 +188,30 @@ class OpenAIServingCompletion(OpenAIServing):
             cached += res.num_cached_tokens
             external += res.num_external_cached_tokens
             prefix = ""
+            echoed = None
             if request.echo:
                 prefix = res.prompt or self.tokenizer.decode(res.prompt_token_ids)
+                if request.logprobs is not None:
+                    echoed = echo_logprobs(res, self.tokenizer)
+            score_only = request.max_tokens == 0
             for c in res.outputs:
-                completion_tokens += len(c.token_ids)
-                choices.append(
-                    CompletionResponseChoice(
-                        index=i * params.n + c.index,
-                        text=prefix + c.text,
-                        logprobs=completion_logprobs(c, self.tokenizer, len(prefix)),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
+                generated = None if score_only else completion_logprobs(
+                    c, self.tokenizer, len(prefix) if echoed is None else echoed[1]
+                )  # fmt: skip
+                logprobs = generated if echoed is None else _joined(echoed[0], generated)
+                completion_tokens += 0 if score_only else len(c.token_ids)
+                choice = CompletionResponseChoice(
+                    index=i * params.n + c.index,
+                    text=prefix + ("" if score_only else c.text),
+                    logprobs=logprobs,
+                    finish_reason="length" if score_only else c.finish_reason,
+                    stop_reason=None if score_only else c.stop_reason,
                 )
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = (
+                        prompt_logprobs_body(res.prompt_logprobs, self.tokenizer) or []
+                    )
+                choices.append(choice)
         response = CompletionResponse(
             id=request_id,
             object="text_completion",
@@ -181,16 +244,26 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def choice(out: RequestOutput, c: CompletionOutput) -> CompletionResponseChoice:
             text = c.text
-            if request.echo and c.index not in echoed:
-                echoed.add(c.index)
+            logprobs = completion_logprobs(c, self.tokenizer)
+            first_chunk = c.index not in echoed
+            if request.echo and first_chunk:
                 text = (out.prompt or self.tokenizer.decode(out.prompt_token_ids)) + text
-            return CompletionResponseChoice(
+                if request.logprobs is not None and (prompt := echo_logprobs(out, self.tokenizer)):
+                    # Offsets of the generated tokens count from the end of the prompt.
+                    logprobs = _joined(prompt[0], completion_logprobs(c, self.tokenizer, prompt[1]))
+            echoed.add(c.index)
+            body = CompletionResponseChoice(
                 index=c.index,
                 text=text,
-                logprobs=completion_logprobs(c, self.tokenizer),
+                logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
+            if request.prompt_logprobs is not None and first_chunk:
+                body["prompt_logprobs"] = (
+                    prompt_logprobs_body(out.prompt_logprobs, self.tokenizer) or []
+                )
+            return body
 
         def chunk(choices: list[CompletionResponseChoice]) -> CompletionStreamResponse:
             return CompletionStreamResponse(

@@ -28,6 +28,8 @@ from pagedinfer.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobsBody,
     PromptTokensDetails,
     SamplingFields,
     UsageInfo,
@@ -37,7 +39,7 @@ from pagedinfer.sampling_params import RequestOutputKind, SamplingParams, Struct
 if TYPE_CHECKING:
     from pagedinfer.engine.input_processor import InputProcessor, PromptType
     from pagedinfer.engine.metrics import StatLogger
-    from pagedinfer.outputs import CompletionOutput, RequestOutput
+    from pagedinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
     from pagedinfer.tokenizer import Tokenizer
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "error_response",
     "failure",
     "json_response",
+    "prompt_logprobs_body",
     "template_message",
     "to_sampling_params",
     "usage_info",
@@ -127,11 +130,18 @@ def _to_structured_outputs_params(request: SamplingFields) -> StructuredOutputsP
 
 
 def to_sampling_params(
-    request: SamplingFields, max_tokens: int | None, logprobs: int | None
+    request: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for `request`; ValueError (a 400) for what the field types
-    cannot express: kv_transfer_params with n > 1, logit_bias keys that are not ids, two
-    guided-decoding fields, and whatever SamplingParams itself rejects."""
+    cannot express: max_tokens 0 (an echoed completion scores with 1, `serving_completion`),
+    kv_transfer_params with n > 1, logit_bias keys that are not ids, two guided-decoding
+    fields, and whatever SamplingParams itself rejects. `prompt_logprobs` defaults to the
+    request's own field."""
+    if max_tokens == 0:
+        raise ValueError("max_tokens: 0 is only for /v1/completions with echo (scoring)")
     if request.kv_transfer_params is not None and request.n != 1:
         # One prompt's KV goes to (or comes from) one request on the other instance.
         raise ValueError("kv_transfer_params needs n = 1")
@@ -161,6 +171,7 @@ def to_sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         structured_outputs=_to_structured_outputs_params(request),
         extra_args=(
@@ -169,6 +180,27 @@ def to_sampling_params(
             else None
         ),
     )
+
+
+def prompt_logprobs_body(
+    entries: PromptLogprobs | None, tokenizer: Tokenizer
+) -> PromptLogprobsBody | None:
+    """vLLM's `prompt_logprobs` field from the engine's (token ids as strings)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): PromptLogprob(
+                logprob=lp.logprob,
+                rank=lp.rank,
+                decoded_token=lp.decoded_token or tokenizer.decode([t]),
+            )
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def template_message(message: ChatMessage) -> dict[str, str]:
