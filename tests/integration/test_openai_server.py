@@ -389,3 +389,19 @@ def test_prompt_logprobs_field_on_both_endpoints(server) -> None:
     )  # fmt: skip
     assert status == 200 and body["prompt_logprobs"][0] is None
     assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+
+
+def test_max_tokens_past_the_model_length_is_refused(server) -> None:
+    """As vLLM's server: prompt + max_tokens beyond max_model_len (512) is a 400, not a
+    silently shorter answer; within it, the request runs."""
+    status, body = _raw(
+        server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 600}
+    )
+    assert status == 400 and "maximum context length is 512 tokens" in body["error"]["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 500}
+    status, body = _raw(server, "/v1/chat/completions", chat)
+    assert status == 400 and "in the prompt, 500 in the completion" in body["error"]["message"]
+    status, _ = _raw(
+        server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    )
+    assert status == 200

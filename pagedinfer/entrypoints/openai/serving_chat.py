@@ -29,6 +29,7 @@ from pagedinfer.entrypoints.openai.protocol import (
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    check_room,
     error_response,
     failure,
     json_response,
@@ -102,6 +103,7 @@ class OpenAIServingChat(OpenAIServing):
                 request.max_completion_tokens or request.max_tokens,
                 top_n if request.logprobs else None,
             )
+            check_room(len(prompt_ids), params.max_tokens, self.engine_client.max_model_len)
         except (ValueError, TypeError) as exc:
             return error_response(400, str(exc), "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -29,6 +29,7 @@ from pagedinfer.entrypoints.openai.protocol import (
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    check_room,
     error_response,
     failure,
     json_response,
@@ -144,6 +145,18 @@ class OpenAIServingCompletion(OpenAIServing):
         inputs: list[PromptType] = [
             {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts
         ]
+        try:
+            # Every prompt validated before any runs: a bad one fails the request alone.
+            for i, prompt in enumerate(inputs):
+                check, _ = self.engine_client.input_processor.process(
+                    f"{request_id}-check-{i}", prompt, params
+                )
+                room_needed = None if score_only else params.max_tokens
+                check_room(
+                    len(check.prompt_token_ids), room_needed, self.engine_client.max_model_len
+                )
+        except (ValueError, TypeError) as exc:
+            return error_response(400, str(exc))
         if request.stream:
             return await self._stream(request, raw_request, inputs[0], params, request_id)
         results = await watched(raw_request, self._run_all(inputs, params, request_id))
@@ -156,10 +169,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _run_all(
         self, inputs: list[PromptType], params: SamplingParams, request_id: str
     ) -> list[RequestOutput]:
-        """The final outputs of all prompts, run concurrently (request ids `<id>-<i>`)."""
-        # Validate every prompt before any runs: a bad one fails the request alone.
-        for i, prompt in enumerate(inputs):
-            self.engine_client.input_processor.process(f"{request_id}-check-{i}", prompt, params)
+        """The final outputs of all prompts (validated by the caller), run concurrently
+        (request ids `<id>-<i>`)."""
         return await asyncio.gather(
             *(self._final(p, params, f"{request_id}-{i}") for i, p in enumerate(inputs))
         )

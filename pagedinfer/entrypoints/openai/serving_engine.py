@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineClient",
+    "check_room",
     "OpenAIServing",
     "chat_text",
     "error_response",
@@ -201,6 +202,17 @@ def prompt_logprobs_body(
         }
         for entry in entries
     ]
+
+
+def check_room(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """ValueError (a 400) when the prompt and `max_tokens` together pass the model's
+    length, as vLLM's server answers (offline, the engine stops at the length instead)."""
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion): reduce the prompt or max_tokens."
+        )
 
 
 def template_message(message: ChatMessage) -> dict[str, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -76,7 +77,7 @@ class FakeInputProcessor:
             raise ValueError(f"The prompt is {len(ids)} tokens, too long.")
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise ValueError("Token id out of vocabulary.")
-        return None, prompt.get("prompt")
+        return SimpleNamespace(prompt_token_ids=ids), prompt.get("prompt")
 
 
 class FakeEngine:
