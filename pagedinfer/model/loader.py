@@ -275,10 +275,19 @@ def _gguf_family_fields(
         fields["sliding_window"] = int(window)
     if arch in ("gemma2", "gemma3"):
         layers = int(meta[f"{arch}.block_count"])
-        pattern = 2 if arch == "gemma2" else 6  # every pattern-th layer is global
-        fields["layer_types"] = tuple(
-            FULL_ATTENTION_LAYER if (i + 1) % pattern == 0 else SLIDING_LAYER for i in range(layers)
-        )
+        # Which layers slide: the file's per-layer booleans or period, else llama.cpp's
+        # fixed period (every 2nd layer global for gemma2, every 6th for gemma3).
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        if isinstance(pattern, list):
+            if len(pattern) != layers:
+                raise ValueError(
+                    f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                    f"for {layers} layers"
+                )
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+        fields["layer_types"] = tuple(SLIDING_LAYER if s else FULL_ATTENTION_LAYER for s in sliding)
         if window is None:
             raise ValueError(f"GGUF metadata lacks {arch}.attention.sliding_window")
         # The 27B models scale scores by (hidden / heads) ** -0.5, the others by

@@ -247,3 +247,28 @@ def test_tiny_gguf_without_extras_loads(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     _write_tiny_gguf(path, _tiny_gguf_weights())
     assert load_model_config(str(path)).num_hidden_layers == TINY["layers"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "pattern", "sliding"),
+    [
+        ("gemma3", None, [True] * 5 + [False, True]),  # llama.cpp's fixed 5:1
+        ("gemma2", None, [True, False] * 3 + [True]),
+        ("gemma3", 3, [True, True, False] * 2 + [True]),
+        ("gemma3", [True, False, False, True, True, True, False], None),
+    ],
+)
+def test_gguf_gemma_layer_pattern(arch: str, pattern: Any, sliding: list[bool] | None) -> None:
+    """The file's `attention.sliding_window_pattern` (a period or per-layer booleans)
+    decides which layers slide; without it, llama.cpp's fixed pattern."""
+    from pagedinfer.model.loader import _gguf_family_fields
+
+    meta: dict[str, Any] = {f"{arch}.block_count": 7, f"{arch}.attention.sliding_window": 8}
+    if pattern is not None:
+        meta[f"{arch}.attention.sliding_window_pattern"] = pattern
+    fields = _gguf_family_fields(meta, arch, "", 64, 4, 16)
+    expected = sliding if sliding is not None else pattern
+    assert [t == "sliding_attention" for t in fields["layer_types"]] == expected
+    meta[f"{arch}.attention.sliding_window_pattern"] = [True, False]
+    with pytest.raises(ValueError, match="has 2 entries for 7 layers"):
+        _gguf_family_fields(meta, arch, "", 64, 4, 16)
