@@ -50,9 +50,9 @@ class SamplingType(enum.IntEnum):
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Constrain a request's output to a grammar: exactly one of `json`, `json_object`,
-    `regex`, `choice`, `grammar` (vLLM's names). Compiled by the engine's structured-output
-    backend (`structured_outputs_config.backend`); an invalid spec is a ValueError in the
-    front end, before the request is queued."""
+    `regex`, `choice`, `grammar`, `structural_tag` (vLLM's names). Compiled by the engine's
+    structured-output backend (`structured_outputs_config.backend`); an invalid spec is a
+    ValueError in the front end, before the request is queued."""
 
     json: str | dict[str, Any] | None = None
     """A JSON schema (a dict or its JSON text): the output is a JSON value that matches it."""
@@ -65,6 +65,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     grammar: str | None = None
     """A grammar: EBNF/GBNF (`root ::= ...`, both backends) or Lark (`start: ...`, through
     llguidance)."""
+    structural_tag: str | dict[str, Any] | None = None
+    """vLLM's structural tag, `{"structures": [{"begin", "schema", "end"}], "triggers":
+    [...]}`: free text until a trigger starts one of the `begin`s, then that structure's
+    schema up to its `end` (how strict tool calls are constrained)."""
     disable_any_whitespace: bool = False
     """JSON without optional whitespace (compact); also an engine-wide option."""
     disable_additional_properties: bool = False
@@ -76,13 +80,13 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         given = [
             name
-            for name in ("json", "regex", "choice", "grammar")
+            for name in ("json", "regex", "choice", "grammar", "structural_tag")
             if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object is not None else [])
         if len(given) != 1:
             raise ValueError(
-                "structured outputs need exactly one of json, json_object, regex, choice "
-                f"and grammar; got {', '.join(given) or 'none'}."
+                "structured outputs need exactly one of json, json_object, regex, choice, "
+                f"grammar and structural_tag; got {', '.join(given) or 'none'}."
             )
         if self.json_object is False:
             raise ValueError("structured outputs: json_object must be true if given.")

@@ -118,6 +118,20 @@ def _add_serving_parsers(sub: Any) -> None:
     serve.add_argument(
         "--served-model-name", default=None, help="Model name in the API (default: the file's)."
     )
+    from pagedinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How the model writes tool calls (docs/tools.md): what reads them out of its "
+        'answers when a request\'s tool_choice is "auto".',
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Serve tool_choice "auto" (the default with tools); needs --tool-call-parser.',
+    )
     add_engine_args(serve)
 
     proxy = sub.add_parser(
@@ -358,13 +372,24 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     engine = AsyncLLM.from_options(**engine_kwargs(ns))
     name = ns.served_model_name or (
         os.path.splitext(os.path.basename(ns.model.rstrip("/")))[0]
         if ns.model
         else DEFAULT_MODEL_NAME
     )
-    app = build_app(engine, name, ns.api_key, shutdown_engine=True, chat_template=chat_template)
+    app = build_app(
+        engine,
+        name,
+        ns.api_key,
+        shutdown_engine=True,
+        chat_template=chat_template,
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+    )
     curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"
         + (f" -H 'Authorization: Bearer {ns.api_key}'" if ns.api_key else "")

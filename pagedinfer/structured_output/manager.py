@@ -60,6 +60,8 @@ def spec_key(params: StructuredOutputsParams) -> tuple[StructuredOutputOptions, 
         kind, spec = StructuredOutputOptions.REGEX, params.regex
     elif params.choice is not None:
         kind, spec = StructuredOutputOptions.CHOICE, params.choice
+    elif params.structural_tag is not None:
+        kind, spec = StructuredOutputOptions.STRUCTURAL_TAG, params.structural_tag
     else:
         assert params.grammar is not None
         kind, spec = StructuredOutputOptions.GRAMMAR, params.grammar

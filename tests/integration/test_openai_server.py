@@ -301,15 +301,11 @@ def test_guided_decoding_fields(server, client) -> None:
 def test_unimplemented_fields_are_refused_by_name_and_harmless_ones_ignored(server, client) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    with pytest.raises(openai.BadRequestError, match="'tools' \\(tool calling is not"):
-        client.chat.completions.create(**chat, tools=[tool], tool_choice="required")
-    history = [
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
-                                              "function": {"name": "f", "arguments": "{}"}}]},
-    ]  # fmt: skip
-    status, body = _raw(server, "/v1/chat/completions", {**chat, "messages": history})
-    assert status == 400 and "'tool_calls'" in body["error"]["message"]
+    # This server has no --tool-call-parser: "auto" (the default with tools) is refused.
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice and"):
+        client.chat.completions.create(**chat, tools=[tool])
+    status, body = _raw(server, "/v1/chat/completions", {**chat, "functions": [tool]})
+    assert status == 400 and "'functions' (deprecated by OpenAI" in body["error"]["message"]
     completion = {"model": MODEL, "prompt": "x", "max_tokens": 1, "foo": 1, "best_of": 3}
     status, body = _raw(server, "/v1/completions", completion)
     assert status == 400

@@ -182,11 +182,14 @@ def build_app(
     *,
     shutdown_engine: bool = False,
     chat_template: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The app over `engine_client` (an `AsyncLLM`); with `shutdown_engine`, the app's
     lifespan ends it (so the engine process goes with the server however the ASGI server is
     stopped). `chat_template` (a jinja template) replaces the model's own for chat and
-    tokenize requests. Adds the app's Prometheus logger to the engine's `stat_loggers`."""
+    tokenize requests; `tool_call_parser` and `enable_auto_tool_choice` are the `serve` flags
+    (`tool_choice.py`). Adds the app's Prometheus logger to the engine's `stat_loggers`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -209,7 +212,13 @@ def build_app(
     state.metrics = PrometheusStatLogger(model_name, engine_client.max_model_len)
     engine_client.stat_loggers.append(state.metrics)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, model_name)
-    state.openai_serving_chat = OpenAIServingChat(engine_client, model_name, chat_template)
+    state.openai_serving_chat = OpenAIServingChat(
+        engine_client,
+        model_name,
+        chat_template,
+        tool_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+    )
     state.openai_serving_tokenization = OpenAIServingTokenization(
         engine_client, model_name, chat_template
     )

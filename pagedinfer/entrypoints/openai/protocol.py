@@ -27,6 +27,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import NotRequired, Self, TypedDict
 
 __all__ = [
+    "ToolCallBody",
+    "NamedToolChoice",
+    "NamedFunction",
+    "MessageToolCall",
+    "MessageFunctionCall",
+    "FunctionDefinition",
+    "FunctionCallBody",
+    "DeltaToolCall",
+    "DeltaFunctionCall",
+    "ChatTool",
     "ChatCompletionLogprobs",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -73,8 +83,6 @@ IGNORED_FIELDS = frozenset(
         # OpenAI's bookkeeping and hints: none of them changes the tokens or their order.
         "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
         "prediction",
-        # Only about several tool calls at once; tool calls themselves are refused below.
-        "parallel_tool_calls",
     }
 )  # fmt: skip
 """Request fields accepted and ignored: they cannot change an answer."""
@@ -91,8 +99,8 @@ IGNORED_AT_DEFAULT: dict[str, tuple[object, ...]] = {
 another value is refused by name. (`best_of` equal to `n` is checked separately.)"""
 
 _NOT_YET: dict[str, str] = {
-    name: "tool calling is not implemented yet"
-    for name in ("tools", "tool_choice", "functions", "function_call", "tool_calls")
+    name: "deprecated by OpenAI: use tools and tool_choice"
+    for name in ("functions", "function_call")
 }
 """Fields refused with a reason of their own."""
 
@@ -153,6 +161,7 @@ class StructuredOutputsFields(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
 
@@ -218,9 +227,63 @@ class CompletionRequest(SamplingFields):
         return self
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object (None: no arguments)."""
+    strict: bool | None = None
+    """Arguments constrained to `parameters` by guided decoding once a call starts (with
+    `tool_choice` "auto"; "required" and named choices always are)."""
+
+
+class ChatTool(BaseModel):
+    """One entry of a chat request's `tools`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the function to call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class MessageFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+    """JSON text of the arguments object, as a response carried it."""
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message of the history made (what an earlier response held)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One message of a chat history; `name` and `tool_call_id` reach the chat template
-    as given (templates may render them)."""
+    """One message of a chat history; `name`, `tool_call_id` and `tool_calls` reach the chat
+    template as given (templates may render them; `serving_engine.template_message`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -228,6 +291,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:
@@ -241,6 +305,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: "auto" when there are tools, else "none" (OpenAI's default)."""
+    parallel_tool_calls: bool = True
+    """False: at most one call per answer."""
 
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:
@@ -371,9 +440,24 @@ class ChatCompletionLogprobs(TypedDict):
     content: list[ChatLogprobToken]
 
 
+class FunctionCallBody(TypedDict):
+    name: str
+    arguments: str
+    """JSON text of the arguments object."""
+
+
+class ToolCallBody(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallBody
+
+
 class ChatResponseMessage(TypedDict):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    """None when the answer is only tool calls."""
+    tool_calls: NotRequired[list[ToolCallBody]]
+    """Only when the model called tools."""
 
 
 class ChatCompletionResponseChoice(TypedDict):
@@ -396,10 +480,27 @@ class ChatCompletionResponse(TypedDict):
     """What a decode instance needs to fetch this prompt's KV (disaggregated prefill)."""
 
 
-class DeltaMessage(TypedDict):
-    content: str
-    role: NotRequired[Literal["assistant"]]
+class DeltaFunctionCall(TypedDict, total=False):
+    name: str
+    """Only in a call's first delta."""
+    arguments: str
+    """A fragment of the arguments' JSON text (the fragments joined are all of it)."""
+
+
+class DeltaToolCall(TypedDict):
+    index: int
+    """The call's position in the choice's `tool_calls`."""
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(TypedDict, total=False):
+    role: Literal["assistant"]
     """Only on a choice's first chunk."""
+    content: str
+    """Absent from a chunk that carries `tool_calls`."""
+    tool_calls: list[DeltaToolCall]
 
 
 class ChatCompletionStreamChoice(TypedDict):

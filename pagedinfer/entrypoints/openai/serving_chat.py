@@ -3,15 +3,17 @@ one JSON body or as an SSE stream of deltas.
 
 A message that the template cannot render (or a content part that is not text) is a 400
 with `param` "messages". In a stream, each choice's first delta carries `role`. Logprobs, when
-asked for, list every generated token with its `top_logprobs` best alternatives. Built and
-routed by `api_server.py`.
+asked for, list every generated token with its `top_logprobs` best alternatives. Tools:
+`tool_choice.py` decides what a request's tools do, a `ToolParser` per choice reads its
+calls (the same stream, streamed or not), and a stream sends each call as two deltas, its
+index, id and name, then its arguments. Built and routed by `api_server.py`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -26,6 +28,9 @@ from pagedinfer.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTopLogprob,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallBody,
+    ToolCallBody,
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -38,6 +43,13 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     to_sampling_params,
     usage_info,
     watched,
+)
+from pagedinfer.entrypoints.openai.tool_choice import ToolPlan, plan_tools
+from pagedinfer.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    FunctionCall,
+    ToolCallStream,
+    parse_tool_calls,
 )
 
 if TYPE_CHECKING:
@@ -78,8 +90,38 @@ def chat_logprobs(
     return ChatCompletionLogprobs(content=content)
 
 
+def _tool_call_body(call: FunctionCall) -> ToolCallBody:
+    return ToolCallBody(
+        id=f"chatcmpl-tool-{uuid.uuid4().hex}",
+        type="function",
+        function=FunctionCallBody(name=call.name, arguments=call.arguments),
+    )
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that ended with tool calls says so (not when it ran out of tokens)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 class OpenAIServingChat(OpenAIServing):
     """Handles `/v1/chat/completions`."""
+
+    def __init__(
+        self,
+        engine_client: Any,
+        model_name: str,
+        chat_template: str | None = None,
+        *,
+        tool_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+    ) -> None:
+        super().__init__(engine_client, model_name, chat_template)
+        if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {tool_parser!r}: not one of {', '.join(TOOL_PARSERS)}"
+            )
+        self.tool_parser = tool_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -87,7 +129,12 @@ class OpenAIServingChat(OpenAIServing):
         if (bad := self.check_model(request.model)) is not None:
             return bad
         try:
+            plan = plan_tools(request, self.tool_parser, self.enable_auto_tool_choice)
+        except ValueError as exc:
+            return error_response(400, str(exc), "tool_choice")
+        try:
             messages = [template_message(m) for m in request.messages]
+            extra = {"tools": plan.template_tools} if plan.template_tools else {}
             prompt_ids = cast(
                 "list[int]",
                 self.tokenizer.apply_chat_template(
@@ -95,6 +142,7 @@ class OpenAIServingChat(OpenAIServing):
                     add_generation_prompt=request.add_generation_prompt,
                     tokenize=True,
                     chat_template=self.chat_template,
+                    **extra,
                 ),
             )
             top_n = request.top_logprobs or 0
@@ -102,7 +150,10 @@ class OpenAIServingChat(OpenAIServing):
                 request,
                 request.max_completion_tokens or request.max_tokens,
                 top_n if request.logprobs else None,
+                structured_outputs=plan.structured_outputs,
             )
+            if plan.keep_special_tokens:
+                params.skip_special_tokens = False
             check_room(len(prompt_ids), params.max_tokens, self.engine_client.max_model_len)
         except (ValueError, TypeError) as exc:
             return error_response(400, str(exc), "messages")
@@ -113,7 +164,7 @@ class OpenAIServingChat(OpenAIServing):
             first = await watched(raw_request, gen.__anext__())
             if isinstance(first, Response):
                 return first
-            events = self._stream(request, first, gen, request_id, created, top_n)
+            events = self._stream(request, plan, first, gen, request_id, created, top_n)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             final = await watched(raw_request, _last(gen))
@@ -123,26 +174,34 @@ class OpenAIServingChat(OpenAIServing):
             return final
         if (failed := failure([final])) is not None:
             return error_response(400, failed)
-        return json_response(self._response(request, final, request_id, created, top_n))
+        return json_response(self._response(request, plan, final, request_id, created, top_n))
 
     def _response(
         self,
         request: ChatCompletionRequest,
+        plan: ToolPlan,
         final: RequestOutput,
         request_id: str,
         created: int,
         top_n: int,
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=c.index,
-                message=ChatResponseMessage(role="assistant", content=c.text),
-                logprobs=chat_logprobs(c, self.tokenizer, top_n) if request.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.outputs:
+            message = ChatResponseMessage(role="assistant", content=c.text)
+            calls: list[FunctionCall] = []
+            if plan.new_parser is not None:
+                message["content"], calls = parse_tool_calls(plan.new_parser(), c.text)
+                if calls:
+                    message["tool_calls"] = [_tool_call_body(call) for call in calls]
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=chat_logprobs(c, self.tokenizer, top_n) if request.logprobs else None,
+                    finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in final.outputs
-        ]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         response = ChatCompletionResponse(
             id=request_id,
@@ -167,6 +226,7 @@ class OpenAIServingChat(OpenAIServing):
     def _stream(
         self,
         request: ChatCompletionRequest,
+        plan: ToolPlan,
         first: RequestOutput,
         gen: AsyncGenerator[RequestOutput, None],
         request_id: str,
@@ -174,18 +234,52 @@ class OpenAIServingChat(OpenAIServing):
         top_n: int,
     ) -> AsyncGenerator[str, None]:
         started: set[int] = set()
+        streams: dict[int, ToolCallStream] = {}
 
-        def choice(out: RequestOutput, c: CompletionOutput) -> ChatCompletionStreamChoice:
-            delta = DeltaMessage(content=c.text)
+        def deltas(c: CompletionOutput) -> list[DeltaMessage]:
+            """The choice's deltas for this output: its text, or (with a tool parser) the
+            content and calls the text settled, each call as two deltas."""
+            if plan.new_parser is None:
+                return [DeltaMessage(content=c.text)]
+            stream = streams.setdefault(c.index, ToolCallStream(plan.new_parser()))
+            before = stream.num_calls
+            items = stream.feed(c.text) + (stream.finish() if c.finish_reason else [])
+            out: list[DeltaMessage] = []
+            for item in items:
+                if isinstance(item, str):
+                    out.append(DeltaMessage(content=item))
+                    continue
+                body = _tool_call_body(item)
+                head = DeltaToolCall(
+                    index=before, id=body["id"], type="function",
+                    function={"name": item.name, "arguments": ""},
+                )  # fmt: skip
+                args = DeltaToolCall(index=before, function={"arguments": item.arguments})
+                out += [DeltaMessage(tool_calls=[head]), DeltaMessage(tool_calls=[args])]
+                before += 1
+            return out or [DeltaMessage(content="")]
+
+        def choice(out: RequestOutput, c: CompletionOutput) -> list[ChatCompletionStreamChoice]:
+            entries = deltas(c)
             if c.index not in started:
                 started.add(c.index)
-                delta["role"] = "assistant"
-            return ChatCompletionStreamChoice(
-                index=c.index,
-                delta=delta,
-                logprobs=chat_logprobs(c, self.tokenizer, top_n) if request.logprobs else None,
-                finish_reason=c.finish_reason,
-            )
+                entries[0] = DeltaMessage(role="assistant", **entries[0])
+            called = c.index in streams and streams[c.index].num_calls > 0
+            return [
+                ChatCompletionStreamChoice(
+                    index=c.index,
+                    delta=delta,
+                    logprobs=(
+                        chat_logprobs(c, self.tokenizer, top_n)
+                        if request.logprobs and k == 0
+                        else None
+                    ),
+                    finish_reason=(
+                        _finish_reason(c.finish_reason, called) if k == len(entries) - 1 else None
+                    ),
+                )
+                for k, delta in enumerate(entries)
+            ]
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(

@@ -253,7 +253,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         echoed: set[int] = set()
 
-        def choice(out: RequestOutput, c: CompletionOutput) -> CompletionResponseChoice:
+        def choice(out: RequestOutput, c: CompletionOutput) -> list[CompletionResponseChoice]:
             text = c.text
             logprobs = completion_logprobs(c, self.tokenizer)
             first_chunk = c.index not in echoed
@@ -274,7 +274,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 body["prompt_logprobs"] = (
                     prompt_logprobs_body(out.prompt_logprobs, self.tokenizer) or []
                 )
-            return body
+            return [body]
 
         def chunk(choices: list[CompletionResponseChoice]) -> CompletionStreamResponse:
             return CompletionStreamResponse(

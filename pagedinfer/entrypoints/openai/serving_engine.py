@@ -135,12 +135,14 @@ def to_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's parameters for `request`; ValueError (a 400) for what the field types
     cannot express: max_tokens 0 (an echoed completion scores with 1, `serving_completion`),
     kv_transfer_params with n > 1, logit_bias keys that are not ids, two guided-decoding
     fields, and whatever SamplingParams itself rejects. `prompt_logprobs` defaults to the
-    request's own field."""
+    request's own field, and `structured_outputs` (what a tool choice imposes) to the one
+    the request's fields name."""
     if max_tokens == 0:
         raise ValueError("max_tokens: 0 is only for /v1/completions with echo (scoring)")
     if request.kv_transfer_params is not None and request.n != 1:
@@ -174,7 +176,7 @@ def to_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
-        structured_outputs=_to_structured_outputs_params(request),
+        structured_outputs=structured_outputs or _to_structured_outputs_params(request),
         extra_args=(
             {"kv_transfer_params": request.kv_transfer_params}
             if request.kv_transfer_params is not None
@@ -215,14 +217,30 @@ def check_room(prompt_len: int, max_tokens: int | None, max_model_len: int) -> N
         )
 
 
-def template_message(message: ChatMessage) -> dict[str, str]:
+def template_message(message: ChatMessage) -> dict[str, Any]:
     """A request message as the chat template sees it: role, text content, and `name` /
-    `tool_call_id` when given."""
-    out = {"role": message.role, "content": chat_text(message.content)}
+    `tool_call_id` / `tool_calls` when given. A call's arguments reach the template as an
+    object, not JSON text (templates write them with `tojson`, as vLLM passes them);
+    ValueError if they are not a JSON object."""
+    out: dict[str, Any] = {"role": message.role, "content": chat_text(message.content)}
     for key in ("name", "tool_call_id"):
         value = getattr(message, key)
         if value is not None:
             out[key] = value
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                args = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                args = None
+            if not isinstance(args, dict):
+                raise ValueError(
+                    f"messages: the arguments of tool call {call.id!r} are not a JSON object"
+                )
+            function = {"name": call.function.name, "arguments": args}
+            calls.append({"id": call.id, "type": "function", "function": function})
+        out["tool_calls"] = calls
     return out
 
 
@@ -381,12 +399,14 @@ class OpenAIServing:
         self,
         first: RequestOutput,
         gen: AsyncGenerator[RequestOutput, None],
-        choice: Callable[[RequestOutput, CompletionOutput], C],
+        choice: Callable[[RequestOutput, CompletionOutput], list[C]],
         chunk: Callable[[list[C]], S],
         include_usage: bool,
     ) -> AsyncGenerator[str, None]:
-        """SSE stream of `first` and the rest of `gen`: one `chunk(choices)` per output, each
-        choice built by `choice(out, completion)`; then (with `include_usage`) a chunk with
+        """SSE stream of `first` and the rest of `gen`: per output, `chunk(choices)`s whose
+        choices `choice(out, completion)` builds (one entry per chunk: a completion that
+        needs several successive deltas, a tool call's name and then its arguments, returns
+        several, and the output takes as many chunks); then (with `include_usage`) a chunk with
         no choices and the usage, and [DONE]. A request the engine failed ends the
         stream at its error event; a dead engine's error event is followed by the usage
         chunk and [DONE]. `gen` is closed however the stream ends (aborting an unfinished
@@ -397,7 +417,11 @@ class OpenAIServing:
         def event(out: RequestOutput) -> str:
             for c in out.outputs:
                 counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
-            return _sse_event(chunk([choice(out, c) for c in out.outputs]))
+            entries = [choice(out, c) for c in out.outputs]
+            depth = max((len(e) for e in entries), default=1)
+            return "".join(
+                _sse_event(chunk([e[k] for e in entries if k < len(e)])) for k in range(depth)
+            )
 
         try:
             if (failed := failure([first])) is not None:

@@ -1,0 +1,171 @@
+"""A chat request's `tools` and `tool_choice` -> what the chat handler does with them.
+
+- `none` (the default without tools): tools are not shown to the template and the output
+  is content;
+- `auto` (the default with tools): the template renders the tools and the server's
+  `--tool-call-parser` reads calls out of the output; a server started without
+  `--enable-auto-tool-choice` and a parser answers 400 naming both flags. Tools with
+  `strict: true` are constrained by a structural tag (grammar from a call's opening marker
+  to its end) where the parser's format has one;
+- `required`: guided decoding forces a JSON list of one or more `{"name", "parameters"}`
+  objects over the tools (at most one with `parallel_tool_calls: false`); read by
+  `RequiredToolParser`;
+- a named function: guided decoding forces its arguments object; read by `NamedToolParser`.
+
+Forced calls use compact JSON (`disable_any_whitespace`): a small model given free
+whitespace can emit newlines until `max_tokens`. vLLM answers `finish_reason` "stop" for a
+named choice; here any answer whose calls ended it says "tool_calls", which is what agent
+loops test for. Built by `serving_chat.py` per request (`plan_tools`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedinfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool
+from pagedinfer.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+)
+from pagedinfer.sampling_params import StructuredOutputsParams
+
+__all__ = ["AUTO_TOOL_FLAGS", "ToolPlan", "plan_tools", "required_schema", "structural_tag"]
+
+AUTO_TOOL_FLAGS = "--enable-auto-tool-choice and --tool-call-parser NAME"
+
+_NO_ARGS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request handles tools."""
+
+    new_parser: Callable[[], ToolParser] | None
+    """A fresh parser per choice; None: the output is all content."""
+    structured_outputs: StructuredOutputsParams | None
+    """The guided decoding the tool choice imposes (None: the request's own, if any)."""
+    template_tools: list[dict[str, Any]] | None
+    """The tools as the chat template sees them (`tools=`), or None."""
+    keep_special_tokens: bool = False
+    """The parser's markers are special tokens: the output text must keep them."""
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or _NO_ARGS
+
+
+def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
+    """A JSON list of calls, each `{"name": one of the tools, "parameters": its schema}`."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": _parameters(t),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": variants[0] if len(variants) == 1 else {"anyOf": variants},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def structural_tag(parser: str, tools: list[ChatTool]) -> dict[str, Any] | None:
+    """A structural tag constraining the arguments of the `strict` tools in `parser`'s
+    format (vLLM's `{"structures", "triggers"}`), or None if the format has none."""
+    strict = [t for t in tools if t.function.strict]
+    if parser in ("hermes", "qwen"):
+        begin, end, trigger = (
+            '<tool_call>\n{{"name": {}, "arguments": ',
+            "}\n</tool_call>",
+            ("<tool_call>"),
+        )
+    elif parser == "llama3_json":
+        begin, end, trigger = '{{"name": {}, "parameters": ', "}", '{"name": '
+    else:
+        return None
+    structures = [
+        {
+            "begin": begin.format(json.dumps(t.function.name, ensure_ascii=False)),
+            "schema": _parameters(t),
+            "end": end,
+        }
+        for t in strict
+    ]
+    return {"structures": structures, "triggers": [trigger]}
+
+
+def plan_tools(request: ChatCompletionRequest, parser: str | None, auto_enabled: bool) -> ToolPlan:
+    """What `request`'s tools ask for, given the server's `--tool-call-parser` and
+    `--enable-auto-tool-choice`; ValueError (a 400) for what cannot be served."""
+    tools = request.tools or []
+    choice = request.tool_choice or ("auto" if tools else "none")
+    if choice == "none":
+        return ToolPlan(None, None, None)
+    if not tools:
+        raise ValueError(f"tool_choice {_choice_name(choice)} needs tools")
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError("tools: two functions have the same name")
+    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    guided = request.response_format is not None and request.response_format.type != "text"
+    guided = guided or request.structured_outputs is not None or request.guided_json is not None
+    if choice == "auto":
+        if parser is None or not auto_enabled:
+            raise ValueError(
+                '"auto" tool choice (the default when tools are given) requires the server '
+                f'to be started with {AUTO_TOOL_FLAGS}; or send tool_choice "required", a '
+                'named function, or "none"'
+            )
+        cls = TOOL_PARSERS[parser]
+        structured = None
+        if any(t.function.strict for t in tools):
+            tag = structural_tag(parser, tools)
+            if tag is None:
+                raise ValueError(
+                    f"strict tools need a tool-call format with a structural tag (hermes, "
+                    f"qwen, llama3_json); this server's parser is {parser!r}"
+                )
+            if guided:
+                raise ValueError("strict tools cannot be combined with response_format")
+            structured = StructuredOutputsParams(structural_tag=tag)
+        return ToolPlan(cls, structured, template_tools, cls.needs_special_tokens)
+    if guided:
+        raise ValueError(
+            f"tool_choice {_choice_name(choice)} constrains the output itself: give no "
+            "response_format or structured_outputs beside it"
+        )
+    if choice == "required":
+        schema = required_schema(tools, request.parallel_tool_calls)
+        return ToolPlan(
+            RequiredToolParser,
+            StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+            template_tools,
+        )
+    assert not isinstance(choice, str)
+    name = choice.function.name
+    if name not in names:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    tool = tools[names.index(name)]
+    return ToolPlan(
+        lambda: NamedToolParser(name),
+        StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True),
+        template_tools,
+    )
+
+
+def _choice_name(choice: object) -> str:
+    return repr(choice) if isinstance(choice, str) else "naming a function"
