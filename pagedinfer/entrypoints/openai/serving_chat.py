@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -33,6 +33,7 @@ from pagedinfer.entrypoints.openai.protocol import (
     ToolCallBody,
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
+    EngineClient,
     OpenAIServing,
     check_room,
     error_response,
@@ -108,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(
         self,
-        engine_client: Any,
+        engine_client: EngineClient,
         model_name: str,
         chat_template: str | None = None,
         *,

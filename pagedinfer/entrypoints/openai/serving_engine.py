@@ -51,6 +51,7 @@ __all__ = [
     "failure",
     "json_response",
     "prompt_logprobs_body",
+    "request_structured_outputs",
     "template_message",
     "to_sampling_params",
     "usage_info",
@@ -96,7 +97,7 @@ class EngineClient(Protocol):
 # --------------------------------------------------------------- request -> SamplingParams
 
 
-def _to_structured_outputs_params(request: SamplingFields) -> StructuredOutputsParams | None:
+def request_structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
     """The guided-decoding constraint a request names (at most one of its fields), or None."""
     given = {
         "response_format": request.response_format is not None
@@ -176,7 +177,7 @@ def to_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
-        structured_outputs=structured_outputs or _to_structured_outputs_params(request),
+        structured_outputs=structured_outputs or request_structured_outputs(request),
         extra_args=(
             {"kv_transfer_params": request.kv_transfer_params}
             if request.kv_transfer_params is not None

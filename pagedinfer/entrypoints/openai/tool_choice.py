@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedinfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool
+from pagedinfer.entrypoints.openai.serving_engine import request_structured_outputs
 from pagedinfer.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     NamedToolParser,
@@ -121,8 +122,7 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None, auto_enabled:
     if len(set(names)) != len(names):
         raise ValueError("tools: two functions have the same name")
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
-    guided = request.response_format is not None and request.response_format.type != "text"
-    guided = guided or request.structured_outputs is not None or request.guided_json is not None
+    guided = request_structured_outputs(request) is not None
     if choice == "auto":
         if parser is None or not auto_enabled:
             raise ValueError(

@@ -28,6 +28,7 @@ __all__ = [
     "balanced_end",
     "call_from_json",
     "held_prefix",
+    "loads_or_none",
     "parse_tool_calls",
 ]
 
