@@ -7,6 +7,7 @@ called back to back through `QuantizedWeight` as the model calls them. The codes
 random (the kernel's speed does not depend on the values).
 
 Usage: .venv/bin/python benchmarks/bench_quant_step.py [--rows 1,2,4,8] [--evict-mb 600]
+    [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--evict-mb", type=int, default=600)
     parser.add_argument("--passes", type=int, default=10)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     if kernels is None:
@@ -48,11 +50,12 @@ def main() -> None:
     mats.append(QuantizedWeight(quantize_q8_0(torch.randn(49152, 576) * 0.02), kernels))
     total_mb = sum(m.nbytes for m in mats) / 2**20
     evict = torch.zeros(args.evict_mb * 2**20 // 4)
-    print(f"{len(mats)} matrices, {total_mb:.0f} MB; bf16 activations; ms per step (median)")
+    dtype = getattr(torch, args.dtype)
+    print(f"{len(mats)} matrices, {total_mb:.0f} MB; {args.dtype} activations; ms/step (median)")
     print("| rows | weights hot | after evicting the cache |")
     print("|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        xs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
 
         def step(xs: dict[int, torch.Tensor] = xs) -> float:
             start = time.perf_counter()

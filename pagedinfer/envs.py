@@ -15,6 +15,7 @@ __all__ = [
     "ENVIRONMENT_VARIABLES",
     "block_hash_seed",
     "data_dir",
+    "kernel_cflags",
     "openai_api_key",
     "ray_address",
 ]
@@ -33,6 +34,11 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
         'The Ray cluster the `ray` executor and data-parallel backend join (default `"auto"`: '
         "the one `ray start` left on this machine); pagedinfer never starts one."
     ),
+    "PAGEDINFER_KERNEL_CFLAGS": (
+        "Extra compiler flags for the C++ CPU kernels, e.g. `-mno-avx512f` to build and test "
+        "the AVX2 paths on an AVX-512 machine (default: none; `-march=native` builds for "
+        "this CPU). Each set of flags gets its own build in the extension cache."
+    ),
     "OPENAI_API_KEY": (
         "`pagedinfer bench serve`: the bearer token sent to the server when `--api-key` is "
         "not given."
@@ -43,6 +49,11 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
 def data_dir() -> str | None:
     """`PAGEDINFER_DATA_DIR`, or None when unset or empty."""
     return os.environ.get("PAGEDINFER_DATA_DIR") or None
+
+
+def kernel_cflags() -> list[str]:
+    """`PAGEDINFER_KERNEL_CFLAGS`, split on whitespace ([] when unset)."""
+    return os.environ.get("PAGEDINFER_KERNEL_CFLAGS", "").split()
 
 
 def block_hash_seed() -> str:

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from pagedinfer import envs
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["cpu_kernels_failure", "is_cpu_kernels_built", "load_cpu_kernels"]
@@ -53,6 +55,12 @@ _module: Any = None
 _failure: str | None = None
 
 
+def _cflags() -> list[str]:
+    """The flags above plus `PAGEDINFER_KERNEL_CFLAGS` (part of the module's name, so each
+    set of flags has its own build)."""
+    return _CFLAGS + envs.kernel_cflags()
+
+
 def _cpu_flags() -> str:
     """The CPU's instruction-set flags: `-march=native` builds for exactly these."""
     try:
@@ -72,7 +80,7 @@ def _module_name() -> str:
     for name in sorted(os.listdir(_CSRC)):
         with open(os.path.join(_CSRC, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
-    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    digest.update(" ".join(_cflags() + _LDFLAGS).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return f"pagedinfer_cpu_kernels_{digest.hexdigest()[:12]}"
@@ -111,7 +119,7 @@ def load_cpu_kernels() -> Any | None:
                 name=name,
                 sources=[os.path.join(_CSRC, source) for source in _SOURCES],
                 extra_include_paths=[_CSRC],
-                extra_cflags=_CFLAGS,
+                extra_cflags=_cflags(),
                 extra_ldflags=_LDFLAGS,
                 verbose=False,
             )

@@ -34,7 +34,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "vec.h"
 
@@ -97,6 +102,20 @@ struct Activations {
 #if defined(__AVX512F__)
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#else
+// 8 float lanes / 8 int32 lanes in gcc's portable vector types (the non-AVX-512 path).
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+
+inline F8 load_half8(const uint16_t* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<F8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  F8 out;
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(c10::Half(p[i], c10::Half::from_bits()));
+  return out;
+#endif
 }
 #endif
 
@@ -161,28 +180,54 @@ void block_float(const Activations& a, int64_t r0, const uint8_t* recs, float (*
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out[r], acc[r]);
 #else
-  auto half = [](uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); };
-  for (int r = 0; r < R; ++r) {
-    const float* x = a.xf + (r0 + r) * K;
-    for (int64_t i = 0; i < kLanes; ++i) {
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* rec = recs + g * Rec::kBytes;
-        float t = 0.f;
-        for (int64_t j = 0; j < Rec::kVectors; ++j)
-          for (int64_t b = 0; b < 4; ++b) {
-            const uint8_t byte = rec[j * 64 + i * 4 + b];
-            if constexpr (F == Format::kQ4) {
-              t += static_cast<float>(byte & 0x0F) * x[g * kGroup + 4 * j + b];
-              t += static_cast<float>(byte >> 4) * x[g * kGroup + 16 + 4 * j + b];
-            } else {
-              t += static_cast<float>(static_cast<int8_t>(byte)) * x[g * kGroup + 4 * j + b];
+  // Without AVX-512: the same products in GCC vector types of 8 floats, one half of the
+  // block's 16 lanes at a time (bytes 32h..32h+31 of each 64-byte code vector). gcc lowers
+  // them to AVX2 (one ymm each) or NEON (two q registers), scalar code elsewhere.
+  // AVX2 has 16 vector registers: rows past 4 share one chain per row, fewer rows keep
+  // two (low and high inputs / even and odd vectors) to hide the FMA latency, and the
+  // totals live in acc_out, updated once per group.
+  constexpr bool kTwoChains = R <= 4;
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kLanes; ++i) acc_out[r][i] = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* rec = Rec::fetch(recs, g);
+    for (int64_t h = 0; h < 2; ++h) {
+      F8 t0[R], t1[R];
+      for (int r = 0; r < R; ++r) t0[r] = t1[r] = F8{};
+      for (int64_t j = 0; j < Rec::kVectors; ++j) {
+        I8 v;
+        std::memcpy(&v, rec + j * 64 + h * 32, sizeof v);
+        for (int t = 0; t < 4; ++t) {
+          if constexpr (F == Format::kQ4) {
+            const I8 sh = v >> (8 * t);  // the nibbles' bits are below bit 8 * t + 8: sign-safe
+            const F8 lo = __builtin_convertvector(sh & 0x0F, F8);
+            const F8 hi = __builtin_convertvector((sh >> 4) & 0x0F, F8);
+            for (int r = 0; r < R; ++r) {
+              const float* x = a.xf + (r0 + r) * K + g * kGroup;
+              t0[r] += lo * x[4 * j + t];
+              if constexpr (kTwoChains) t1[r] += hi * x[16 + 4 * j + t];
+              else t0[r] += hi * x[16 + 4 * j + t];
+            }
+          } else {
+            const F8 c = __builtin_convertvector((v << (24 - 8 * t)) >> 24, F8);  // sign-extended byte t
+            for (int r = 0; r < R; ++r) {
+              const float xv = a.xf[(r0 + r) * K + g * kGroup + 4 * j + t];
+              if (kTwoChains && j % 2 == 1) t1[r] += c * xv;
+              else t0[r] += c * xv;
             }
           }
-        total += half(Rec::scale(rec)[i]) * t;
-        if constexpr (F == Format::kQ4) total += half(Rec::offset(rec)[i]) * a.xsum[(r0 + r) * G + g];
+        }
       }
-      acc_out[r][i] = total;
+      const F8 d = load_half8(Rec::scale(rec) + 8 * h);
+      F8 m{};
+      if constexpr (F == Format::kQ4) m = load_half8(Rec::offset(rec) + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        F8 total;
+        std::memcpy(&total, acc_out[r] + 8 * h, sizeof total);
+        total += (t0[r] + t1[r]) * d;
+        if constexpr (F == Format::kQ4) total += m * a.xsum[(r0 + r) * G + g];
+        std::memcpy(acc_out[r] + 8 * h, &total, sizeof total);
+      }
     }
   }
 #endif
