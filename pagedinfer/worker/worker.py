@@ -63,7 +63,13 @@ PREPACK_BATCH_HINT = 64
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16: where bf16 matmuls measured ~2x fp32 on our machines."""
+    """AVX512-BF16 or AMX-BF16: where bf16 matmuls measured ~2x fp32 on our machines.
+
+    Only where torch itself runs its AVX-512 kernels: held to AVX2 (`ATEN_CPU_CAPABILITY`,
+    as when measuring the AVX2 paths on an AVX-512 machine) its bf16 ops are emulated.
+    """
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
