@@ -122,7 +122,7 @@ def test_forced_tool_calls_always_validate(client) -> None:
             assert len(calls) <= 1
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), schemas[name])
-    assert stopped >= 40, stopped  # measured: 56 of 64 end in calls at max_tokens 400
+    assert stopped >= 40, stopped  # measured: 59 of 64 end in calls at max_tokens 400
 
 
 def test_round_trip_call_result_answer(client) -> None:

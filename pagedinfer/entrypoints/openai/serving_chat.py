@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -135,17 +135,7 @@ class OpenAIServingChat(OpenAIServing):
             return error_response(400, str(exc), "tool_choice")
         try:
             messages = [template_message(m) for m in request.messages]
-            extra = {"tools": plan.template_tools} if plan.template_tools else {}
-            prompt_ids = cast(
-                "list[int]",
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=request.add_generation_prompt,
-                    tokenize=True,
-                    chat_template=self.chat_template,
-                    **extra,
-                ),
-            )
+            prompt_ids = self._render(messages, plan, request.add_generation_prompt)
             top_n = request.top_logprobs or 0
             params = to_sampling_params(
                 request,
@@ -176,6 +166,38 @@ class OpenAIServingChat(OpenAIServing):
         if (failed := failure([final])) is not None:
             return error_response(400, failed)
         return json_response(self._response(request, plan, final, request_id, created, top_n))
+
+    def _render(
+        self, messages: list[dict[str, Any]], plan: ToolPlan, add_generation_prompt: bool
+    ) -> list[int]:
+        """The prompt's token ids. A forced call under a template that ignores `tools` (the
+        same ids with and without them) gets the tools as a system message instead
+        (`ToolPlan.fallback_system`), joined to the conversation's own system message."""
+
+        def render(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+            extra = {"tools": tools} if tools else {}
+            return cast(
+                "list[int]",
+                self.tokenizer.apply_chat_template(
+                    msgs,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    chat_template=self.chat_template,
+                    **extra,
+                ),
+            )
+
+        ids = render(messages, plan.template_tools)
+        if plan.fallback_system is None or ids != render(messages, None):
+            return ids
+        if (
+            messages
+            and messages[0].get("role") == "system"
+            and isinstance(messages[0].get("content"), str)
+        ):
+            head = {**messages[0], "content": f"{messages[0]['content']}\n\n{plan.fallback_system}"}
+            return render([head, *messages[1:]], None)
+        return render([{"role": "system", "content": plan.fallback_system}, *messages], None)
 
     def _response(
         self,

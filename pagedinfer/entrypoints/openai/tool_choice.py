@@ -35,7 +35,14 @@ from pagedinfer.entrypoints.openai.tool_parsers import (
 )
 from pagedinfer.sampling_params import StructuredOutputsParams
 
-__all__ = ["AUTO_TOOL_FLAGS", "ToolPlan", "plan_tools", "required_schema", "structural_tag"]
+__all__ = [
+    "AUTO_TOOL_FLAGS",
+    "ToolPlan",
+    "plan_tools",
+    "required_schema",
+    "structural_tag",
+    "tools_system_message",
+]
 
 AUTO_TOOL_FLAGS = "--enable-auto-tool-choice and --tool-call-parser NAME"
 
@@ -54,6 +61,9 @@ class ToolPlan:
     """The tools as the chat template sees them (`tools=`), or None."""
     keep_special_tokens: bool = False
     """The parser's markers are special tokens: the output text must keep them."""
+    fallback_system: str | None = None
+    """For forced calls: a system message describing the tools, for chat templates that
+    do not render `tools` (see `tools_system_message`)."""
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
@@ -82,6 +92,19 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def tools_system_message(tools: list[ChatTool], answer: str) -> str:
+    """A system message listing the tools, for a forced call under a chat template that
+    ignores `tools` (SmolLM2's, many base models'). vLLM hands the tools to the template
+    only; there such a model fills a call's arguments knowing neither the tool's purpose nor
+    its parameters, and a small one measured looping inside a string argument until
+    max_tokens in 6 of 64 requests. llama.cpp's server does the same for such templates."""
+    listed = json.dumps(
+        [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in tools],
+        ensure_ascii=False,
+    )
+    return f"You have these tools (JSON): {listed}\n{answer}"
 
 
 def structural_tag(parser: str, tools: list[ChatTool]) -> dict[str, Any] | None:
@@ -150,10 +173,16 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None, auto_enabled:
         )
     if choice == "required":
         schema = required_schema(tools, request.parallel_tool_calls)
+        answer = (
+            'Answer with the calls as a JSON list of {"name": ..., "parameters": {...}}.'
+            if request.parallel_tool_calls
+            else 'Answer with one call as [{"name": ..., "parameters": {...}}].'
+        )
         return ToolPlan(
             RequiredToolParser,
             StructuredOutputsParams(json=schema, disable_any_whitespace=True),
             template_tools,
+            fallback_system=tools_system_message(tools, answer),
         )
     assert not isinstance(choice, str)
     name = choice.function.name
@@ -164,6 +193,9 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None, auto_enabled:
         lambda: NamedToolParser(name),
         StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True),
         template_tools,
+        fallback_system=tools_system_message(
+            tools, f"Call {name}: answer with its arguments as a JSON object."
+        ),
     )
 
 

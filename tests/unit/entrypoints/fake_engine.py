@@ -40,6 +40,9 @@ class FakeTokenizer:
     chat_template: str | None = "role: content"
     """The model's own template (None: a base model without one)."""
 
+    renders_tools = True
+    """False: the template ignores `tools` (as SmolLM2's does)."""
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -54,7 +57,7 @@ class FakeTokenizer:
         if chat_template is None and self.chat_template is None:
             raise ValueError(NO_CHAT_TEMPLATE)
         text = ""
-        if tools is not None:
+        if tools is not None and self.renders_tools:
             text += f"tools: {','.join(t['function']['name'] for t in tools)}\n"
         text += f"[{chat_template}]" if chat_template is not None else ""
         for m in messages:

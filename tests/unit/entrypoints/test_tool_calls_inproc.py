@@ -142,6 +142,29 @@ def test_forced_choices_ask_guided_decoding_for_the_calls(engine) -> None:
         assert params.structured_outputs.json == WEATHER["function"]["parameters"]
 
 
+def test_forced_calls_describe_the_tools_where_the_template_does_not(engine) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for client in _client(engine):
+        engine.replies = ['{"city":"Oslo"}'] * 3
+        _ask(client, False, tool_choice=named)  # this template renders tools: left alone
+        assert "".join(map(chr, engine.prompts.popitem()[1])).startswith("tools: get_weather\n")
+        engine.tokenizer.renders_tools = False
+        _ask(client, False, tool_choice=named)
+        prompt = "".join(map(chr, engine.prompts.popitem()[1]))
+        listed = json.dumps([WEATHER["function"]])
+        assert prompt == (
+            f"system: You have these tools (JSON): {listed}\n"
+            "Call get_weather: answer with its arguments as a JSON object.\n"
+            "user: Weather in Paris?\nassistant: "
+        )
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Weather in Paris?"}]  # fmt: skip
+        _ask(client, False, tool_choice="required", messages=messages)
+        prompt = "".join(map(chr, engine.prompts.popitem()[1]))
+        assert prompt.startswith(f"system: Be brief.\n\nYou have these tools (JSON): {listed}\n")
+        assert prompt.count("system:") == 1
+
+
 def test_history_with_calls_and_results_reaches_the_template(engine) -> None:
     history = [
         {"role": "user", "content": "Weather in Paris?"},
