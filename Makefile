@@ -77,7 +77,7 @@ check: lint
 # it) and skip, saying so, where there is none.
 test: check
 	$(PY) -m pytest -q tests/unit tests/property
-	$(PY) -m pytest -q tests --ignore=tests/unit --ignore=tests/property
+	$(PY) -m pytest -q --durations=25 tests --ignore=tests/unit --ignore=tests/property
 
 # Resolve pyproject.toml's ranges afresh into two lock files: what `make run` needs (the
 # engine, the server, guided decoding) and the rest for tests and development.
