@@ -73,6 +73,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """JSON without optional whitespace (compact); also an engine-wide option."""
     disable_additional_properties: bool = False
     """Schemas that do not say otherwise get `additionalProperties: false`."""
+    reasoning_end: str | None = None
+    """The grammar applies only after this text appears in the output (the end of a
+    reasoning block, `</think>`; the server sets it under `--reasoning-parser`): the
+    tokens up to and including it are unconstrained, the grammar starts after them."""
     resolved_backend: str | None = None
     """Set by the front end: the backend that validated the spec ("xgrammar" or
     "guidance"; with the engine's "auto", the one that can take it). Not for users."""

@@ -118,6 +118,7 @@ def _add_serving_parsers(sub: Any) -> None:
     serve.add_argument(
         "--served-model-name", default=None, help="Model name in the API (default: the file's)."
     )
+    from pagedinfer.entrypoints.openai.reasoning import REASONING_PARSERS
     from pagedinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
     serve.add_argument(
@@ -131,6 +132,14 @@ def _add_serving_parsers(sub: Any) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help='Serve tool_choice "auto" (the default with tools); needs --tool-call-parser.',
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="How the model marks its reasoning (docs/reasoning.md): chat answers then carry "
+        "it in `reasoning` / `reasoning_content`, and guided decoding and tool parsing start "
+        "after it.",
     )
     add_engine_args(serve)
 
@@ -389,6 +398,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         chat_template=chat_template,
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        reasoning_parser=ns.reasoning_parser,
     )
     curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"

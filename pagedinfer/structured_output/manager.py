@@ -14,6 +14,10 @@ Flow of one structured request (vLLM's design, seed 000 chapter 3):
 4. After sampling, the scheduler calls `accept_token` per kept token; a grammar that
    reaches its end finishes the request with reason "stop".
 
+Reasoning (`StructuredOutputsParams.reasoning_end`, vLLM's reasoning-aware guided decoding):
+the request samples freely, without mask rows, until its output contains that text; the
+grammar then sees only the tokens after it.
+
 Speculative decoding (several tokens per step): `validate_tokens` trims a request's draft to
 the prefix its grammar allows (the scheduler then schedules only that), and
 `grammar_bitmask` gives a request with k scheduled draft tokens k + 1 rows: the mask at each
@@ -79,6 +83,15 @@ class StructuredOutputRequest:
     deadline: float = 0.0
     grammar: StructuredOutputGrammar | None = None
     error: str | None = None
+    pending_end: str | None = None
+    """While set (the reasoning has not ended), the grammar neither masks nor advances."""
+    pending_ids: list[int] | None = None
+    """The output tokens so far while `pending_end` is set (their text is searched)."""
+
+    @property
+    def constraining(self) -> bool:
+        """Whether the grammar is compiled and applies to the next token."""
+        return self.grammar is not None and self.pending_end is None
 
     def is_ready(self) -> bool:
         """True once compiled or failed (then `error` says why); never blocks."""
@@ -163,6 +176,8 @@ class StructuredOutputManager:
         )
         kind, spec = spec_key(params)
         so_request = StructuredOutputRequest(params, backend, (kind, spec))
+        if params.reasoning_end:
+            so_request.pending_end, so_request.pending_ids = params.reasoning_end, []
         so_request.deadline = time.monotonic() + self.compile_timeout_s
         so_request.future = self._pool.submit(self._compile, backend, kind, spec, params)
         request.structured_output_request = so_request
@@ -194,8 +209,9 @@ class StructuredOutputManager:
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             so = request.structured_output_request if request is not None else None
-            if so is None or so.grammar is None or request.is_prefill_chunk:
+            if so is None or not so.constraining or request.is_prefill_chunk:
                 continue
+            assert so.grammar is not None
             rows.append((req_id, so.grammar, drafts_of.get(req_id, [])))
         if not rows:
             return None
@@ -240,7 +256,7 @@ class StructuredOutputManager:
         from its current state; the grammar itself does not move. Requests without a ready
         grammar take the draft as it is."""
         so = request.structured_output_request
-        if so is None or so.grammar is None or not token_ids:
+        if so is None or not so.constraining or so.grammar is None or not token_ids:
             return token_ids
         return so.grammar.validate_tokens(token_ids)
 
@@ -253,6 +269,9 @@ class StructuredOutputManager:
         so = request.structured_output_request
         if so is None or so.grammar is None:
             return None
+        if so.pending_end is not None:
+            self._watch_reasoning(so, token_id)
+            return None
         if so.grammar.is_terminated():
             return RequestStatus.FINISHED_STOPPED
         if not so.grammar.accept_tokens(request.request_id, [token_id]):
@@ -264,6 +283,16 @@ class StructuredOutputManager:
             )
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if so.grammar.is_terminated() else None
+
+    def _watch_reasoning(self, so: StructuredOutputRequest, token_id: int) -> None:
+        """Add a free token; once the output's text holds `pending_end` the grammar takes
+        over from the next token. The window of the last 32 tokens holds any end marker
+        (`</think>` is one token in the models that use it, under 8 in any tokenizer)."""
+        assert so.pending_ids is not None and so.pending_end is not None
+        so.pending_ids.append(token_id)
+        tail = so.pending_ids[-32:]
+        if so.pending_end in self._tokenizer.decode(tail, skip_special_tokens=False):
+            so.pending_end, so.pending_ids = None, None
 
     def stats(self) -> dict[str, float]:
         return {

@@ -346,3 +346,19 @@ def test_structured_outputs_params_need_exactly_one_spec() -> None:
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+
+
+def test_the_grammar_starts_after_the_reasoning_end(llm: LLM) -> None:
+    """`reasoning_end` (what `--reasoning-parser` sets): the tokens up to that text are
+    free, the grammar constrains only what follows. Here the "reasoning" is the model
+    counting (digits the regex forbids) and the end marker the number it reaches."""
+    prompt = "1, 2, 3, 4, 5, 6,"
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert free[0].outputs[0].text.startswith(" 7, 8,"), free[0].outputs[0].text
+    so = StructuredOutputsParams(regex=r" [a-z]{3}", reasoning_end=" 8,")
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=20, temperature=0, structured_outputs=so), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    head, _, tail = out.text.partition(" 8,")
+    assert head == " 7," and re.fullmatch(r" [a-z]{3}", tail), out.text

@@ -184,12 +184,14 @@ def build_app(
     chat_template: str | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The app over `engine_client` (an `AsyncLLM`); with `shutdown_engine`, the app's
     lifespan ends it (so the engine process goes with the server however the ASGI server is
     stopped). `chat_template` (a jinja template) replaces the model's own for chat and
-    tokenize requests; `tool_call_parser` and `enable_auto_tool_choice` are the `serve` flags
-    (`tool_choice.py`). Adds the app's Prometheus logger to the engine's `stat_loggers`."""
+    tokenize requests; `tool_call_parser`, `enable_auto_tool_choice` and `reasoning_parser`
+    are the `serve` flags (`tool_choice.py`, `reasoning.py`). Adds the app's Prometheus
+    logger to the engine's `stat_loggers`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -218,6 +220,7 @@ def build_app(
         chat_template,
         tool_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=reasoning_parser,
     )
     state.openai_serving_tokenization = OpenAIServingTokenization(
         engine_client, model_name, chat_template

@@ -310,6 +310,10 @@ class ChatCompletionRequest(SamplingFields):
     """None: "auto" when there are tools, else "none" (OpenAI's default)."""
     parallel_tool_calls: bool = True
     """False: at most one call per answer."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. Qwen3's `enable_thinking`)."""
+    include_reasoning: bool = True
+    """False: a `--reasoning-parser` server drops the reasoning from the answer."""
 
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:
@@ -329,6 +333,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """As in a chat request: extra variables for the chat template."""
 
 
 class DetokenizeRequest(BaseModel):
@@ -458,6 +464,10 @@ class ChatResponseMessage(TypedDict):
     """None when the answer is only tool calls."""
     tool_calls: NotRequired[list[ToolCallBody]]
     """Only when the model called tools."""
+    reasoning: NotRequired[str | None]
+    """With `--reasoning-parser`: the answer's reasoning block (None: it had none)."""
+    reasoning_content: NotRequired[str | None]
+    """The same, under the name vLLM used first (and DeepSeek's API uses)."""
 
 
 class ChatCompletionResponseChoice(TypedDict):
@@ -499,8 +509,12 @@ class DeltaMessage(TypedDict, total=False):
     role: Literal["assistant"]
     """Only on a choice's first chunk."""
     content: str
-    """Absent from a chunk that carries `tool_calls`."""
+    """Absent from a chunk that carries `tool_calls` or reasoning."""
     tool_calls: list[DeltaToolCall]
+    reasoning: str
+    """With `--reasoning-parser`: a piece of the reasoning block."""
+    reasoning_content: str
+    """The same piece, under vLLM's first name for it."""
 
 
 class ChatCompletionStreamChoice(TypedDict):

@@ -6,7 +6,11 @@ with `param` "messages". In a stream, each choice's first delta carries `role`. 
 asked for, list every generated token with its `top_logprobs` best alternatives. Tools:
 `tool_choice.py` decides what a request's tools do, a `ToolParser` per choice reads its
 calls (the same stream, streamed or not), and a stream sends each call as two deltas, its
-index, id and name, then its arguments. Built and routed by `api_server.py`.
+index, id and name, then its arguments. Reasoning (`--reasoning-parser`, `reasoning.py`):
+each choice's text goes through a `ReasoningStream` first; its reasoning parts become
+`reasoning` (and `reasoning_content`), its content parts go on to the tool parser, and
+guided decoding starts after the block (`StructuredOutputsParams.reasoning_end`). Built and
+routed by `api_server.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 from fastapi.responses import Response, StreamingResponse
 
 from pagedinfer.entrypoints.openai.protocol import (
@@ -32,6 +37,12 @@ from pagedinfer.entrypoints.openai.protocol import (
     FunctionCallBody,
     ToolCallBody,
 )
+from pagedinfer.entrypoints.openai.reasoning import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    ReasoningStream,
+    split_reasoning,
+)
 from pagedinfer.entrypoints.openai.serving_engine import (
     EngineClient,
     OpenAIServing,
@@ -41,6 +52,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     json_response,
     prompt_logprobs_body,
     template_message,
+    template_variables,
     to_sampling_params,
     usage_info,
     watched,
@@ -115,14 +127,23 @@ class OpenAIServingChat(OpenAIServing):
         *,
         tool_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine_client, model_name, chat_template)
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"--tool-call-parser {tool_parser!r}: not one of {', '.join(TOOL_PARSERS)}"
             )
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser {reasoning_parser!r}: not one of "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
         self.tool_parser = tool_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning: ReasoningParser | None = (
+            None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]
+        )
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -135,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
             return error_response(400, str(exc), "tool_choice")
         try:
             messages = [template_message(m) for m in request.messages]
-            prompt_ids = self._render(messages, plan, request.add_generation_prompt)
+            prompt_ids = self._render(messages, plan, request)
             top_n = request.top_logprobs or 0
             params = to_sampling_params(
                 request,
@@ -146,6 +167,12 @@ class OpenAIServingChat(OpenAIServing):
             if plan.keep_special_tokens:
                 params.skip_special_tokens = False
             check_room(len(prompt_ids), params.max_tokens, self.engine_client.max_model_len)
+            in_reasoning = self._starts_in_reasoning(prompt_ids)
+            if in_reasoning and params.structured_outputs is not None:
+                assert self.reasoning is not None
+                params.structured_outputs = msgspec.structs.replace(
+                    params.structured_outputs, reasoning_end=self.reasoning.end
+                )
         except (ValueError, TypeError) as exc:
             return error_response(400, str(exc), "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -155,7 +182,9 @@ class OpenAIServingChat(OpenAIServing):
             first = await watched(raw_request, gen.__anext__())
             if isinstance(first, Response):
                 return first
-            events = self._stream(request, plan, first, gen, request_id, created, top_n)
+            events = self._stream(
+                request, plan, in_reasoning, first, gen, request_id, created, top_n
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             final = await watched(raw_request, _last(gen))
@@ -165,14 +194,26 @@ class OpenAIServingChat(OpenAIServing):
             return final
         if (failed := failure([final])) is not None:
             return error_response(400, failed)
-        return json_response(self._response(request, plan, final, request_id, created, top_n))
+        return json_response(
+            self._response(request, plan, in_reasoning, final, request_id, created, top_n)
+        )
+
+    def _starts_in_reasoning(self, prompt_ids: list[int]) -> bool | None:
+        """Whether the answer starts inside a reasoning block (`ReasoningParser.
+        starts_in_reasoning` on the prompt's end); False without a reasoning parser."""
+        if self.reasoning is None:
+            return False
+        tail = self.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False)
+        return self.reasoning.starts_in_reasoning(tail)
 
     def _render(
-        self, messages: list[dict[str, Any]], plan: ToolPlan, add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], plan: ToolPlan, request: ChatCompletionRequest
     ) -> list[int]:
-        """The prompt's token ids. A forced call under a template that ignores `tools` (the
-        same ids with and without them) gets the tools as a system message instead
-        (`ToolPlan.fallback_system`), joined to the conversation's own system message."""
+        """The prompt's token ids, `chat_template_kwargs` passed to the template. A forced
+        call under a template that ignores `tools` (the same ids with and without them)
+        gets the tools as a system message instead (`ToolPlan.fallback_system`), joined to
+        the conversation's own system message."""
+        variables = template_variables(request.chat_template_kwargs)
 
         def render(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
             extra = {"tools": tools} if tools else {}
@@ -180,9 +221,10 @@ class OpenAIServingChat(OpenAIServing):
                 "list[int]",
                 self.tokenizer.apply_chat_template(
                     msgs,
-                    add_generation_prompt=add_generation_prompt,
+                    add_generation_prompt=request.add_generation_prompt,
                     tokenize=True,
                     chat_template=self.chat_template,
+                    **variables,
                     **extra,
                 ),
             )
@@ -203,6 +245,7 @@ class OpenAIServingChat(OpenAIServing):
         self,
         request: ChatCompletionRequest,
         plan: ToolPlan,
+        in_reasoning: bool | None,
         final: RequestOutput,
         request_id: str,
         created: int,
@@ -210,10 +253,16 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         choices = []
         for c in final.outputs:
-            message = ChatResponseMessage(role="assistant", content=c.text)
+            content: str | None = c.text
+            message = ChatResponseMessage(role="assistant", content=content)
+            if self.reasoning is not None:
+                reasoning, content = split_reasoning(self.reasoning, in_reasoning, c.text)
+                message["content"] = content
+                if request.include_reasoning:
+                    message["reasoning"] = message["reasoning_content"] = reasoning
             calls: list[FunctionCall] = []
             if plan.new_parser is not None:
-                message["content"], calls = parse_tool_calls(plan.new_parser(), c.text)
+                message["content"], calls = parse_tool_calls(plan.new_parser(), content or "")
                 if calls:
                     message["tool_calls"] = [_tool_call_body(call) for call in calls]
             choices.append(
@@ -250,6 +299,7 @@ class OpenAIServingChat(OpenAIServing):
         self,
         request: ChatCompletionRequest,
         plan: ToolPlan,
+        in_reasoning: bool | None,
         first: RequestOutput,
         gen: AsyncGenerator[RequestOutput, None],
         request_id: str,
@@ -258,15 +308,34 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         started: set[int] = set()
         streams: dict[int, ToolCallStream] = {}
+        thinking: dict[int, ReasoningStream] = {}
 
         def deltas(c: CompletionOutput) -> list[DeltaMessage]:
-            """The choice's deltas for this output: its text, or (with a tool parser) the
-            content and calls the text settled, each call as two deltas."""
+            """The choice's deltas for this output: reasoning pieces (with a reasoning
+            parser), then its content, or (with a tool parser) the content and calls the
+            content settled, each call as two deltas."""
+            if self.reasoning is None:
+                return content_deltas(c, c.text)
+            split = thinking.setdefault(c.index, ReasoningStream(self.reasoning, in_reasoning))
+            parts = split.feed(c.text) + (split.finish() if c.finish_reason else [])
+            out: list[DeltaMessage] = []
+            content = ""
+            for kind, text in parts:
+                if kind == "content":
+                    content += text
+                elif request.include_reasoning:
+                    out.append(DeltaMessage(reasoning=text, reasoning_content=text))
+            body = content_deltas(c, content)
+            if out and body == [DeltaMessage(content="")]:
+                return out  # reasoning only: no empty content delta beside it
+            return out + body
+
+        def content_deltas(c: CompletionOutput, text: str) -> list[DeltaMessage]:
             if plan.new_parser is None:
-                return [DeltaMessage(content=c.text)]
+                return [DeltaMessage(content=text)]
             stream = streams.setdefault(c.index, ToolCallStream(plan.new_parser()))
             before = stream.num_calls
-            items = stream.feed(c.text) + (stream.finish() if c.finish_reason else [])
+            items = stream.feed(text) + (stream.finish() if c.finish_reason else [])
             out: list[DeltaMessage] = []
             for item in items:
                 if isinstance(item, str):

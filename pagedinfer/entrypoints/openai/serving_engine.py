@@ -53,6 +53,7 @@ __all__ = [
     "prompt_logprobs_body",
     "request_structured_outputs",
     "template_message",
+    "template_variables",
     "to_sampling_params",
     "usage_info",
     "watched",
@@ -216,6 +217,26 @@ def check_room(prompt_len: int, max_tokens: int | None, max_model_len: int) -> N
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} in the completion): reduce the prompt or max_tokens."
         )
+
+
+# apply_chat_template's own arguments: a request sets them through its fields.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "bos_token",
+     "eos_token"}
+)  # fmt: skip
+
+
+def template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's `chat_template_kwargs`, checked: ValueError for a name the template call
+    sets itself."""
+    variables = dict(kwargs or {})
+    taken = sorted(set(variables) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ValueError(
+            f"chat_template_kwargs: {', '.join(taken)} cannot be set this way (the request's "
+            "own fields set them)"
+        )
+    return variables
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     error_response,
     json_response,
     template_message,
+    template_variables,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class OpenAIServingTokenization(OpenAIServing):
                         add_generation_prompt=request.add_generation_prompt,
                         tokenize=True,
                         chat_template=self.chat_template,
+                        **template_variables(request.chat_template_kwargs),
                     ),
                 )
             else:

@@ -50,16 +50,19 @@ class FakeTokenizer:
         tokenize: bool = False,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        **variables: Any,
     ) -> str | list[int]:
         """`role: content` lines; a `chat_template` given is written first, in brackets, and
-        `tools` first of all, as `tools: NAME,NAME` (a line). A message's `tool_calls` are
-        written after its content as `-> NAME(ARGUMENTS as JSON)`."""
+        `tools` first of all, as `tools: NAME,NAME` (a line); other variables (a request's
+        `chat_template_kwargs`) follow it as `NAME=VALUE` lines. A message's `tool_calls`
+        are written after its content as `-> NAME(ARGUMENTS as JSON)`."""
         if chat_template is None and self.chat_template is None:
             raise ValueError(NO_CHAT_TEMPLATE)
         text = ""
         if tools is not None and self.renders_tools:
             text += f"tools: {','.join(t['function']['name'] for t in tools)}\n"
         text += f"[{chat_template}]" if chat_template is not None else ""
+        text += "".join(f"{k}={v}\n" for k, v in sorted(variables.items()))
         for m in messages:
             calls = "".join(
                 f" -> {c['function']['name']}({json.dumps(c['function']['arguments'])})"
