@@ -78,6 +78,15 @@ class ModelConfig:
     C++ build; 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
+    logprobs_mode: Literal[
+        "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"
+    ] = "raw_logprobs"
+    """What sampled tokens' `logprobs` hold (vLLM's option): "raw_*" the model's own
+    distribution (with guided decoding's mask), "processed_*" the one each token was drawn
+    from, after bad words, allowed ids, min tokens, logit bias, penalties, then temperature,
+    top-k, top-p and min-p (-inf where filtered; greedy rows skip the temperature);
+    "*_logits" the values before the log-softmax. Prompt logprobs stay raw. The processed
+    modes are not implemented with speculative decoding (a config error)."""
 
 
 @dataclass(config=_FROZEN)
@@ -337,6 +346,13 @@ class EngineConfig:
             raise ValueError(
                 f"speculative method {spec.method!r} needs tensor and pipeline parallel size "
                 f"1 (ngram works with any)"
+            )
+        if spec is not None and model.logprobs_mode.startswith("processed"):
+            # Verified tokens come from the rejection sampler's own distributions; giving
+            # their processed logprobs is not built.
+            raise ValueError(
+                f"logprobs_mode {model.logprobs_mode!r} is not implemented with speculative "
+                "decoding (raw_logprobs and raw_logits are)"
             )
         if self.kv_transfer_config is not None and self.parallel_config.world_size > 1:
             # The connectors move one rank's KV; gathering every rank's transfer status

@@ -143,6 +143,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Added to the logits of the given token ids (clamped to +-100)."""
     allowed_token_ids: list[int] | None = None
     """If set, only these token ids can be sampled."""
+    bad_words: list[str] | None = None
+    """Words never generated: each one's tokens (with and without a leading space) are
+    banned as a sequence, the last token masked wherever the output ends with the others."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last this many prompt tokens (-1: the model's maximum length)."""
     detokenize: bool = True
     """Produce text; stop strings need it."""
     skip_special_tokens: bool = True
@@ -161,6 +166,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Derived at construction, not user-facing.
     all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
     output_text_buffer_length: int = 0
+    bad_words_token_ids: list[list[int]] | None = None
+    """`bad_words` as token sequences (set by the engine's input processor)."""
 
     def __post_init__(self) -> None:
         if self.seed == -1:
@@ -240,6 +247,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop_token_ids must be non-negative.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids must not be empty.")
+        if self.bad_words is not None and not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise ValueError("bad_words must be non-empty strings.")
+        if self.truncate_prompt_tokens is not None and (
+            self.truncate_prompt_tokens < -1 or self.truncate_prompt_tokens == 0
+        ):
+            raise ValueError(
+                "truncate_prompt_tokens must be a positive number of tokens or -1 (the "
+                f"model's maximum length), got {self.truncate_prompt_tokens}."
+            )
         if self.temperature < GREEDY_EPS and self.n > 1:
             raise ValueError("n must be 1 when using greedy sampling (temperature 0).")
 

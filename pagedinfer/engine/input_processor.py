@@ -50,8 +50,16 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         """Returns the engine request and the prompt text (None for token-id prompts)."""
         text, token_ids, cache_salt = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len
+        if keep is not None and len(token_ids) > keep:
+            token_ids = token_ids[-keep:]  # the end of the prompt: what the answer continues
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         self._validate(token_ids, params)
         params = params.clone()
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:
             self._check_structured_outputs(params)
         if params.top_k >= self.vocab_size:
@@ -76,6 +84,21 @@ class InputProcessor:
             cache_salt=cache_salt,
         )
         return request, text
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as written mid-text (" word") and at the start ("word"),
+        distinct sequences only (vLLM bans both forms)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"bad_words: {word!r} encodes to token {bad[0]}, outside "
+                                     f"the vocabulary (size {self.vocab_size}).")  # fmt: skip
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         cache_salt = None

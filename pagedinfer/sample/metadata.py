@@ -53,6 +53,8 @@ class SamplingMetadata:
     """Row -> (min_tokens, stop token ids to mask while len(output) < min_tokens)."""
     allowed_token_ids_mask: torch.Tensor | None = None
     """[num_reqs, vocab_size] bool; True marks tokens that are NOT allowed."""
+    bad_words: dict[int, list[list[int]]] = field(default_factory=dict)
+    """Row -> banned token sequences (`SamplingParams.bad_words_token_ids`)."""
 
 
 @dataclass

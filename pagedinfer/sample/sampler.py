@@ -8,7 +8,7 @@ logprobs. The helpers below are public so that each stage can be tested on its o
 
 Order of operations (vLLM V1 semantics):
   1. logprobs of the RAW logits (log_softmax of the input) when `max_num_logprobs` is set;
-  2. allowed_token_ids mask, 3. min_tokens stop-id mask, 4. logit_bias,
+  2. allowed_token_ids mask, then bad_words, 3. min_tokens stop-id mask, 4. logit_bias,
   5. penalties (repetition over prompt+output, then frequency and presence over output);
   6. greedy rows (temperature < 1e-5) take the argmax of the processed logits;
   7. random rows: divide by temperature (clamped to >= 0.01), top-k, top-p, min-p, then
@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 
@@ -36,9 +37,12 @@ from pagedinfer.sample.metadata import LogprobsTensors, SamplerOutput, SamplingM
 
 __all__ = [
     "GREEDY_EPS",
+    "LOGPROBS_MODES",
+    "LogprobsMode",
     "MIN_TEMPERATURE",
     "Sampler",
     "apply_allowed_token_ids",
+    "apply_bad_words",
     "apply_logit_bias",
     "apply_min_p",
     "apply_min_tokens",
@@ -50,6 +54,9 @@ __all__ = [
     "gather_logprobs",
     "random_sample",
 ]
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
 GREEDY_EPS = 1e-5
 """Rows whose temperature is below this are sampled greedily."""
@@ -111,6 +118,27 @@ def compute_prompt_logprobs(
 def apply_allowed_token_ids(logits: torch.Tensor, disallowed_mask: torch.Tensor) -> torch.Tensor:
     """IN PLACE: -inf wherever `disallowed_mask` (`[num_reqs, vocab_size]` bool) is True."""
     return logits.masked_fill_(disallowed_mask.to(logits.device), _NEG_INF)
+
+
+def apply_bad_words(
+    logits: torch.Tensor,
+    output_token_ids: list[list[int]],
+    bad_words: dict[int, list[list[int]]],
+) -> torch.Tensor:
+    """IN PLACE: for each row's banned sequences, -inf on the last token wherever the
+    output ends with the ones before it (a one-token word: always)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, sequences in bad_words.items():
+        output = output_token_ids[row]
+        for seq in sequences:
+            prefix = seq[:-1]
+            if not prefix or (len(output) >= len(prefix) and output[-len(prefix) :] == prefix):
+                rows.append(row)
+                cols.append(seq[-1])
+    if rows:
+        logits[_as_index(rows, logits), _as_index(cols, logits)] = _NEG_INF
+    return logits
 
 
 def apply_min_tokens(
@@ -291,9 +319,16 @@ class Sampler(torch.nn.Module):
     dimension costs ~150-200 us per 49k-wide row, a sizeable part of a large decode step.
     """
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+    ) -> None:
         super().__init__()
         self._argmax = argmax
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode {logprobs_mode!r}: not one of {LOGPROBS_MODES}")
+        self.logprobs_mode = logprobs_mode
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] -> [rows] int64."""
@@ -303,16 +338,28 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """`logits` `[num_reqs, vocab_size]` (not modified). Returns the sampled ids and,
-        when `metadata.max_num_logprobs` is not None, the raw-distribution logprobs."""
+        when `metadata.max_num_logprobs` is not None, their logprobs (or logits) as
+        `logprobs_mode` says: of the raw distribution, or of the processed one the token
+        was drawn from."""
         num_logprobs = metadata.max_num_logprobs
-        raw_logprobs = compute_logprobs(logits) if num_logprobs is not None else None
+        mode = self.logprobs_mode
+        values = None
+        if num_logprobs is not None and mode == "raw_logprobs":
+            values = compute_logprobs(logits)
+        elif num_logprobs is not None and mode == "raw_logits":
+            values = logits.to(torch.float32)  # the stages below write only to copies
 
         logits = self.apply_logits_processors(logits, metadata)
-        sampled = self.sample(logits, metadata)  # [num_reqs]
+        if num_logprobs is not None and values is None:
+            sampled, processed = self.sample(logits, metadata, keep_processed=True)
+            assert processed is not None
+            values = processed if mode == "processed_logits" else processed.log_softmax(dim=-1)
+        else:
+            sampled, _ = self.sample(logits, metadata)  # [num_reqs]
 
         logprobs_tensors = None
-        if raw_logprobs is not None and num_logprobs is not None:
-            logprobs_tensors = gather_logprobs(raw_logprobs, num_logprobs, sampled)
+        if values is not None and num_logprobs is not None:
+            logprobs_tensors = gather_logprobs(values, num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
     @staticmethod
@@ -324,6 +371,7 @@ class Sampler(torch.nn.Module):
         use_bias = any(bias for bias in metadata.logit_bias)
         needs_write = (
             metadata.allowed_token_ids_mask is not None
+            or bool(metadata.bad_words)
             or bool(metadata.min_tokens)
             or use_bias
             or not metadata.no_penalties
@@ -337,6 +385,8 @@ class Sampler(torch.nn.Module):
 
         if metadata.allowed_token_ids_mask is not None:
             apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
+        if metadata.bad_words:
+            apply_bad_words(logits, metadata.output_token_ids, metadata.bad_words)
         if metadata.min_tokens:
             apply_min_tokens(logits, metadata.output_token_ids, metadata.min_tokens)
         if use_bias:
@@ -352,10 +402,15 @@ class Sampler(torch.nn.Module):
             )
         return logits
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Stages 6-7 on processed `logits` (not modified). Returns `[num_reqs]` int64."""
+    def sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, keep_processed: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stages 6-7 on processed `logits` (not modified). Returns `[num_reqs]` int64 and,
+        with `keep_processed`, the float32 logits each row was decided on (greedy rows:
+        `logits`; random rows: after temperature, top-k, top-p and min-p, -inf where
+        filtered), else None."""
         if metadata.all_greedy:
-            return self.argmax(logits)
+            return self.argmax(logits), logits.to(torch.float32) if keep_processed else None
         if metadata.temperature is None:
             raise ValueError("SamplingMetadata.temperature is required unless all_greedy.")
         greedy = None if metadata.all_random else self.argmax(logits)
@@ -367,9 +422,12 @@ class Sampler(torch.nn.Module):
         probs = scaled.softmax(dim=-1)  # [num_reqs, vocab_size]
         sampled = random_sample(probs, metadata.generators, self.argmax)  # [num_reqs]
         if greedy is None:
-            return sampled
+            return sampled, scaled if keep_processed else None
         is_greedy = metadata.temperature.to(logits.device) < GREEDY_EPS  # [num_reqs]
-        return torch.where(is_greedy, greedy, sampled)
+        processed = None
+        if keep_processed:
+            processed = torch.where(is_greedy.unsqueeze(-1), logits.to(torch.float32), scaled)
+        return torch.where(is_greedy, greedy, sampled), processed
 
 
 # --------------------------------------------------------------------------- helpers

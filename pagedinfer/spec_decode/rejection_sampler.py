@@ -319,7 +319,7 @@ def _expand_metadata(
 
     counts = repeats.tolist()
     output_token_ids: list[list[int]] = []
-    if not metadata.no_penalties or metadata.min_tokens:
+    if not metadata.no_penalties or metadata.min_tokens or metadata.bad_words:
         for output, drafts in zip(metadata.output_token_ids, draft_token_ids):
             output = list(output)
             output_token_ids.extend(output + drafts[:j] for j in range(len(drafts) + 1))
@@ -332,6 +332,11 @@ def _expand_metadata(
     min_tokens = {
         row_starts[req] + j: value
         for req, value in metadata.min_tokens.items()
+        for j in range(counts[req])
+    }
+    bad_words = {
+        row_starts[req] + j: value
+        for req, value in metadata.bad_words.items()
         for j in range(counts[req])
     }
     return SamplingMetadata(
@@ -352,6 +357,7 @@ def _expand_metadata(
         logit_bias=logit_bias,
         min_tokens=min_tokens,
         allowed_token_ids_mask=per_row(metadata.allowed_token_ids_mask),
+        bad_words=bad_words,
     )
 
 

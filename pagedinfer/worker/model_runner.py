@@ -31,6 +31,7 @@ from pagedinfer.distributed.kv_transfer.base import KVConnectorBase
 from pagedinfer.distributed.parallel_state import get_pp_group
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.sample.sampler import (
+    LogprobsMode,
     Sampler,
     compute_logprobs,
     compute_prompt_logprobs,
@@ -75,6 +76,7 @@ class ModelRunner:
         vocab_size: int,
         max_num_logprobs: int = 20,
         speculative_config: SpeculativeConfig | None = None,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
         draft_model: DraftModel | None = None,
         head_kv_cache: torch.Tensor | None = None,
         kv_connector: KVConnectorBase | None = None,
@@ -91,7 +93,10 @@ class ModelRunner:
         self.max_num_logprobs = max_num_logprobs
         # The paged backend's C++ build also has a fast row-wise argmax for the sampler.
         kernels = getattr(backend, "kernel", None)
-        self.sampler = Sampler(argmax=None if kernels is None else kernels.argmax_rows)
+        self.sampler = Sampler(
+            argmax=None if kernels is None else kernels.argmax_rows, logprobs_mode=logprobs_mode
+        )
+        self.logprobs_mode = logprobs_mode
         self.requests: dict[str, CachedRequestState] = {}
         self._step: _StepState | None = None
         # Speculative decoding: the proposer drafts after sampling; the rejection sampler
@@ -361,7 +366,7 @@ class ModelRunner:
                 if metadata.max_num_logprobs is not None:
                     logprobs_lists = self._verified_logprobs(
                         step.logits, first_row, step.sampling_req_ids, token_lists,
-                        metadata.max_num_logprobs,
+                        metadata.max_num_logprobs, self.logprobs_mode == "raw_logits",
                     )  # fmt: skip
             for state, tokens in zip(states, token_lists):
                 for token_id in tokens:
@@ -412,12 +417,14 @@ class ModelRunner:
         req_ids: list[str],
         token_lists: list[list[int]],
         num_logprobs: int,
+        as_logits: bool = False,
     ) -> LogprobsLists:
         """Raw-distribution logprobs of each kept token: token j of a verified run was
         sampled at its request's logits row first + j."""
         rows = [first_row[r] + j for r, kept in zip(req_ids, token_lists) for j in range(len(kept))]
         tokens = torch.tensor([t for kept in token_lists for t in kept], dtype=torch.int64)
-        raw = compute_logprobs(logits[torch.tensor(rows)])  # [num_kept, vocab_size]
+        picked = logits[torch.tensor(rows)].to(torch.float32)  # [num_kept, vocab_size]
+        raw = picked if as_logits else compute_logprobs(picked)
         return LogprobsLists(*gather_logprobs(raw, num_logprobs, tokens).tolists())
 
     @staticmethod

@@ -129,4 +129,5 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int) -
         logit_bias=[p.logit_bias for p in params],
         min_tokens=min_tokens,
         allowed_token_ids_mask=allowed_mask,
+        bad_words={i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids},
     )

@@ -302,6 +302,7 @@ class Worker:
             bs,
             vocab_size=arch.vocab_size,
             speculative_config=self.config.speculative_config,
+            logprobs_mode=self.config.model_config.logprobs_mode,
             draft_model=draft_model,
             head_kv_cache=head_kv_cache,
             kv_connector=kv_connector,

@@ -131,7 +131,12 @@ def _refuse_unknown(request: BaseModel, endpoint: str) -> None:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    """A last chunk with no choices carries the usage."""
+    continuous_usage_stats: bool = False
+    """With `include_usage`: every chunk carries the usage so far (vLLM's option)."""
 
 
 class JsonSchemaFormat(BaseModel):
@@ -192,6 +197,10 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    """vLLM's field: words never generated (`SamplingParams.bad_words`)."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """vLLM's field: keep only the prompt's last this many tokens (-1: the model length)."""
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     """vLLM's field: the prompt tokens' logprobs (and this many top ones), returned as
     `prompt_logprobs` (per choice on /v1/completions, per response on chat)."""
@@ -214,6 +223,13 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(SamplingFields):

@@ -166,7 +166,12 @@ class OpenAIServingChat(OpenAIServing):
             )
             if plan.keep_special_tokens:
                 params.skip_special_tokens = False
-            check_room(len(prompt_ids), params.max_tokens, self.engine_client.max_model_len)
+            max_len = self.engine_client.max_model_len
+            keep = params.truncate_prompt_tokens  # the engine truncates; count what it keeps
+            prompt_len = len(prompt_ids)
+            if keep is not None:
+                prompt_len = min(prompt_len, max_len if keep == -1 else keep)
+            check_room(prompt_len, params.max_tokens, max_len)
             in_reasoning = self._starts_in_reasoning(prompt_ids)
             if in_reasoning and params.structured_outputs is not None:
                 assert self.reasoning is not None
@@ -382,7 +387,9 @@ class OpenAIServingChat(OpenAIServing):
                 choices=choices,
             )
 
-        return self.stream_events(first, gen, choice, chunk, request.include_usage)
+        return self.stream_events(
+            first, gen, choice, chunk, request.include_usage, request.continuous_usage
+        )
 
 
 async def _last(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:

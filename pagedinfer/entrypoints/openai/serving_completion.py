@@ -285,5 +285,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices=choices,
             )
 
-        events = self.stream_events(first, gen, choice, chunk, request.include_usage)
+        events = self.stream_events(
+            first, gen, choice, chunk, request.include_usage, request.continuous_usage
+        )
         return StreamingResponse(events, media_type="text/event-stream")

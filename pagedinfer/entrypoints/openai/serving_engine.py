@@ -171,6 +171,8 @@ def to_sampling_params(
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
         logit_bias=bias,
+        bad_words=request.bad_words,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
         skip_special_tokens=request.skip_special_tokens,
@@ -424,6 +426,7 @@ class OpenAIServing:
         choice: Callable[[RequestOutput, CompletionOutput], list[C]],
         chunk: Callable[[list[C]], S],
         include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncGenerator[str, None]:
         """SSE stream of `first` and the rest of `gen`: per output, `chunk(choices)`s whose
         choices `choice(out, completion)` builds (one entry per chunk: a completion that
@@ -431,19 +434,23 @@ class OpenAIServing:
         several, and the output takes as many chunks); then (with `include_usage`) a chunk with
         no choices and the usage, and [DONE]. A request the engine failed ends the
         stream at its error event; a dead engine's error event is followed by the usage
-        chunk and [DONE]. `gen` is closed however the stream ends (aborting an unfinished
-        request)."""
+        chunk and [DONE]. With `continuous_usage` every chunk also carries the usage so
+        far. `gen` is closed however the stream ends (aborting an unfinished request)."""
         counts: dict[int, int] = {}
         cached = first.num_cached_tokens
+        num_prompt = len(first.prompt_token_ids)
 
         def event(out: RequestOutput) -> str:
             for c in out.outputs:
                 counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
             entries = [choice(out, c) for c in out.outputs]
             depth = max((len(e) for e in entries), default=1)
-            return "".join(
-                _sse_event(chunk([e[k] for e in entries if k < len(e)])) for k in range(depth)
-            )
+            chunks = [chunk([e[k] for e in entries if k < len(e)]) for k in range(depth)]
+            if continuous_usage:
+                usage = usage_info(num_prompt, sum(counts.values()), cached)
+                for body in chunks:
+                    body["usage"] = usage
+            return "".join(_sse_event(body) for body in chunks)
 
         try:
             if (failed := failure([first])) is not None:
@@ -462,6 +469,6 @@ class OpenAIServing:
             await gen.aclose()
         if include_usage:
             last = chunk([])
-            last["usage"] = usage_info(len(first.prompt_token_ids), sum(counts.values()), cached)
+            last["usage"] = usage_info(num_prompt, sum(counts.values()), cached)
             yield _sse_event(last)
         yield "data: [DONE]\n\n"
