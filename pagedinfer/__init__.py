@@ -10,7 +10,8 @@ configure_matmul_caches()  # before any matmul runs; see pagedinfer/platform.py
 # ruff: noqa: E402
 
 from pagedinfer.entrypoints.llm import LLM
-from pagedinfer.outputs import CompletionOutput, RequestOutput
+from pagedinfer.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -24,5 +25,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "RequestOutputKind",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
 ]
 __version__ = "0.1.0"

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Logprob", "CompletionOutput", "RequestOutput", "SampleLogprobs", "PromptLogprobs"]
+__all__ = [
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "Logprob",
+    "PromptLogprobs",
+    "RequestOutput",
+    "SampleLogprobs",
+]
 
 
 @dataclass(slots=True)
@@ -65,6 +73,8 @@ class RequestOutput:
     this prompt's KV (pass it as the decode request's `kv_transfer_params`)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Timings: arrival_time, first_token_time, finished_time (monotonic seconds)."""
+    pooled: list[float] | None = None
+    """A finished pooling request's vector (its `outputs` hold no tokens)."""
 
     def add(self, later: RequestOutput) -> None:
         """Merge a later DELTA output of the same request into this one (used when the
@@ -95,3 +105,24 @@ class RequestOutput:
         if later.kv_transfer_params is not None:
             self.kv_transfer_params = later.kv_transfer_params
         self.metrics.update(later.metrics)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+    """The pooled hidden state (unit length when normalized)."""
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one `LLM.embed` prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_request_output(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        assert output.pooled is not None, "not a finished pooling request"
+        return cls(output.request_id, EmbeddingOutput(output.pooled), output.prompt_token_ids)

@@ -12,6 +12,7 @@ import time
 
 import msgspec
 
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import SamplingParams
 
 __all__ = [
@@ -48,6 +49,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling (embedding) request: it finishes with its prefill, no token sampled."""
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -79,6 +82,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict[str, object] | None = None
     """Set when the request finishes, by its KV connector (e.g. where a decode instance
     fetches the prompt's KV from)."""
+    pooled: list[float] | None = None
+    """A pooling request's vector (with its finish)."""
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedinfer.core.messages import EngineCoreRequest, FinishReason
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,8 +68,10 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
@@ -119,6 +122,7 @@ class Request:
             priority=request.priority,
             cache_salt=request.cache_salt,
             block_hasher=block_hasher,
+            pooling_params=request.pooling_params,
         )
 
     @property
@@ -131,8 +135,12 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """Prompt logprobs need every prompt position computed: no cache hits (as vLLM)."""
-        return self.sampling_params.prompt_logprobs is not None
+        """Prompt logprobs and mean pooling need every prompt position computed: no cache
+        hits (as vLLM). Last-token pooling reads only the last position, always computed."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is not None or (
+            pooling is not None and pooling.pooling_type == "mean"
+        )
 
     @property
     def kv_transfer_params(self) -> dict[str, object] | None:

@@ -29,6 +29,7 @@ import numpy.typing as npt
 # Imported at run time: the executor decodes these dataclasses by their annotations.
 from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVConnectorOutput
 from pagedinfer.core.messages import LogprobsLists
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
+    """A pooling request: its prompt's hidden states are pooled, no token sampled."""
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -62,6 +65,7 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            pooling_params=request.pooling_params,
         )
 
 
@@ -116,6 +120,8 @@ class ModelRunnerOutput:
     """Speculative decoding: req_id -> the drafts proposed for the next step."""
     kv_connector_output: KVConnectorOutput | None = None
     """What the worker's KV connector finished or failed (None without a connector)."""
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    """req_id -> the vector of a pooling request whose prefill completed this step."""
     _row_starts: list[int] | None = field(default=None, repr=False, compare=False)
 
     def logprobs_row_of(self, index: int) -> int:

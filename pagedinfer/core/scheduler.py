@@ -437,6 +437,9 @@ class Scheduler(SchedulerState):
             new_token_ids = append_generated(
                 request, generated, self.max_model_len, self.structured_output_manager
             )
+            pooled = runner_output.pooler_output.get(req_id)
+            if pooled is not None:  # a pooling request ends with its prefill
+                request.status = RequestStatus.FINISHED_STOPPED
             prompt_logprobs = runner_output.prompt_logprobs_dict.get(req_id)
             if not new_token_ids and prompt_logprobs is None and not request.is_finished():
                 continue
@@ -460,6 +463,7 @@ class Scheduler(SchedulerState):
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     num_external_cached_tokens=request.num_external_computed_tokens,
+                    pooled=pooled,
                 )
             )
             if request.is_finished():

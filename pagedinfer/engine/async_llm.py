@@ -32,12 +32,13 @@ from pagedinfer.engine.core_client import (
     InprocClient,
 )
 from pagedinfer.engine.dp_client import DPAsyncMPClient
-from pagedinfer.engine.input_processor import InputProcessor, PromptType
+from pagedinfer.engine.input_processor import InputProcessor, PromptType, pooling_sampling_params
 from pagedinfer.engine.llm_engine import EngineStats, num_speculative_tokens
 from pagedinfer.engine.metrics import IterationStats, StatLogger
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
 from pagedinfer.logging_utils import setup_logging
 from pagedinfer.outputs import RequestOutput
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 from pagedinfer.tokenizer import Tokenizer
 
@@ -141,9 +142,11 @@ class AsyncLLM:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as the engine produces them (shaped by
-        `sampling_params.output_kind`); ValueError at once for bad input."""
+        `sampling_params.output_kind`); ValueError at once for bad input. With
+        `pooling_params` (see `encode`), one final output carrying `pooled`."""
         await self.check_health()
         self._ensure_handler()
         if request_id in self.output_processor.request_states or (
@@ -151,7 +154,7 @@ class AsyncLLM:
         ):
             raise ValueError(f"Request id {request_id!r} is already in use.")
         request, prompt_text = self.input_processor.process(
-            request_id, prompt, sampling_params, arrival_time, priority
+            request_id, prompt, sampling_params, arrival_time, priority, pooling_params
         )
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self._add(request, prompt_text, collector)
@@ -164,6 +167,26 @@ class AsyncLLM:
         finally:
             if not finished:  # cancelled, closed early, or the engine died
                 self._abort([request_id])
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> RequestOutput:
+        """A pooling request: `prompt` runs through the model (batched with whatever else
+        runs) and its hidden states come back pooled, in `RequestOutput.pooled`."""
+        params = pooling_sampling_params(truncate_prompt_tokens)
+        final = None
+        async for out in self.generate(
+            prompt, params, request_id, priority=priority, pooling_params=pooling_params
+        ):
+            final = out
+        assert final is not None
+        return final
 
     def _add(
         self, request: EngineCoreRequest, prompt_text: str | None, collector: RequestOutputCollector

@@ -12,10 +12,11 @@ from typing import Any, Union
 
 from pagedinfer.config import StructuredOutputsConfig
 from pagedinfer.core.messages import EngineCoreRequest
-from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.pooling_params import PoolingParams
+from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 from pagedinfer.tokenizer import Tokenizer
 
-__all__ = ["InputProcessor", "PromptType"]
+__all__ = ["InputProcessor", "PromptType", "pooling_sampling_params"]
 
 # A text prompt, a list of token ids, or a dict with "prompt" or "prompt_token_ids"
 # (plus optional "cache_salt"), as vLLM accepts.
@@ -47,8 +48,13 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """Returns the engine request and the prompt text (None for token-id prompts)."""
+        """Returns the engine request and the prompt text (None for token-id prompts).
+        With `pooling_params` the request is a pooling one: `params` then carries only
+        `truncate_prompt_tokens` (see `pooling_sampling_params`)."""
+        if pooling_params is not None:
+            _check_pooling(params)
         text, token_ids, cache_salt = self._tokenize(prompt)
         keep = params.truncate_prompt_tokens
         if keep == -1:
@@ -82,6 +88,7 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            pooling_params=pooling_params,
         )
         return request, text
 
@@ -190,3 +197,30 @@ class InputProcessor:
             so.resolved_backend = name
         except ValueError as exc:
             raise ValueError(f"Invalid structured outputs ({kind.name.lower()}): {exc}") from exc
+
+
+def pooling_sampling_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:
+    """The SamplingParams a pooling request travels with: one final output, no text."""
+    return SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+    )
+
+
+def _check_pooling(params: SamplingParams) -> None:
+    """A pooling request samples nothing: sampling options would be silently unused."""
+    if (
+        params.n != 1
+        or params.structured_outputs is not None
+        or params.logprobs is not None
+        or params.prompt_logprobs is not None
+        or params.extra_args
+    ):
+        raise ValueError(
+            "a pooling request takes no sampling options (n, logprobs, prompt_logprobs, "
+            "structured outputs, kv_transfer_params): build its SamplingParams with "
+            "pooling_sampling_params()"
+        )

@@ -27,6 +27,7 @@ from pagedinfer.engine.input_processor import InputProcessor, PromptType
 from pagedinfer.engine.output_processor import OutputProcessor, split_request
 from pagedinfer.executor.base import Executor
 from pagedinfer.outputs import RequestOutput
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import SamplingParams
 from pagedinfer.tokenizer import Tokenizer
 
@@ -203,11 +204,14 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """Validate and queue one request; raises ValueError for bad input (nothing queued)."""
+        """Validate and queue one request; raises ValueError for bad input (nothing queued).
+        With `pooling_params` it is a pooling request (`params` from
+        `pooling_sampling_params`): its one output carries `pooled`."""
         self._check_unused(request_id)
         request, prompt_text = self.input_processor.process(
-            request_id, prompt, params, arrival_time, priority
+            request_id, prompt, params, arrival_time, priority, pooling_params
         )
         self.add_processed_request(request, prompt_text)
 

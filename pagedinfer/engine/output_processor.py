@@ -203,6 +203,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.num_external_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None
+        self.pooled: list[float] | None = None
         self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_request(token_text, request)
 
@@ -257,6 +258,7 @@ class RequestState:
             num_external_cached_tokens=self.num_external_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
             metrics=_metrics(self.arrival_time, self.first_token_time, now if finished else None),
+            pooled=self.pooled,
         )
 
 
@@ -366,6 +368,8 @@ class OutputProcessor:
                 state.num_external_cached_tokens = output.num_external_cached_tokens
             if output.kv_transfer_params is not None:
                 state.kv_transfer_params = output.kv_transfer_params
+            if output.pooled is not None:
+                state.pooled = output.pooled
             if new_token_ids:
                 if iteration_stats is not None:
                     iteration_stats.num_generation_tokens += len(new_token_ids)

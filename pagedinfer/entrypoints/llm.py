@@ -20,10 +20,11 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedinfer.config import build_engine_config
-from pagedinfer.engine.input_processor import PromptType
+from pagedinfer.engine.input_processor import PromptType, pooling_sampling_params
 from pagedinfer.engine.llm_engine import LLMEngine
 from pagedinfer.logging_utils import setup_logging
-from pagedinfer.outputs import RequestOutput
+from pagedinfer.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 from pagedinfer.tokenizer import Tokenizer
 
@@ -107,6 +108,21 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt: the final hidden states pooled as `pooling_params` says
+        (default: the last token's, normalized). Prompts as for `generate`."""
+        prompt_list = _as_prompt_list(prompts)
+        params = [pooling_sampling_params(truncate_prompt_tokens)] * len(prompt_list)
+        pooling = pooling_params or PoolingParams()
+        outputs = self._run(prompt_list, params, [0] * len(prompt_list), use_tqdm, pooling)
+        return [EmbeddingRequestOutput.from_request_output(out) for out in outputs]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (e.g. after changing weights); False while
         requests are running."""
@@ -126,6 +142,7 @@ class LLM:
         params: list[SamplingParams],
         priorities: list[int],
         use_tqdm: bool,
+        pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Offline runs only need the final output: skip per-step output objects.
@@ -133,7 +150,7 @@ class LLM:
         request_ids = [str(next(self._request_counter)) for _ in prompts]
         # Validate (and tokenize) everything up front: a bad prompt queues nothing.
         processed = [
-            engine.input_processor.process(request_id, p, sp, priority=prio)
+            engine.input_processor.process(request_id, p, sp, priority=prio, pooling_params=pooling)
             for request_id, p, sp, prio in zip(request_ids, prompts, params, priorities)
         ]
         for request, prompt_text in processed:

@@ -16,7 +16,7 @@ between them (structured outputs plug in there).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,6 +64,8 @@ class _StepState:
     runs: list[tuple[str, int, int, int]] | None = None
     """With `hidden`: per request (req_id, first row, start position, tokens run)."""
     kv_connector_output: KVConnectorOutput | None = None
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """Pooling requests whose prompt completed this step -> their vectors."""
 
 
 class ModelRunner:
@@ -138,6 +140,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
+                pooling_params=new.pooling_params,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -203,6 +206,7 @@ class ModelRunner:
         drafts_of = so.scheduled_spec_decode_tokens
         spec_drafts: list[list[int]] = []  # per sampling request
         prompt_lp_reqs: list[tuple[str, int, int]] = []  # (req_id, first row, num rows)
+        pool_reqs: list[tuple[str, int, int]] = []  # (req_id, first row, num rows)
         block_table_np = padded_block_table([s.block_ids for s in states])
         for i, state in enumerate(states):
             start, end = int(computed_np[i]), int(seq_lens_np[i])
@@ -223,6 +227,10 @@ class ModelRunner:
                 prompt_lp_reqs.append(
                     (state.req_id, int(qsl_np[i]), min(end, num_prompt - 1) - start)
                 )
+            if state.pooling_params is not None:
+                # Pooled, never sampled: the request ends when its prompt does.
+                pool_reqs.append((state.req_id, int(qsl_np[i]), end - start))
+                continue
             if end >= state.num_tokens and not drafts:
                 logits_rows.append(int(qsl_np[i + 1]) - 1)
                 sampling_req_ids.append(state.req_id)
@@ -263,6 +271,7 @@ class ModelRunner:
         if logits_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logits_rows)])
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_reqs)
+        pooled = self._pool(hidden, pool_reqs)
         for req_id in req_ids:
             self.requests[req_id].num_computed_tokens += so.num_scheduled_tokens[req_id]
         self._step = _StepState(
@@ -272,6 +281,7 @@ class ModelRunner:
             prompt_logprobs,
             spec_drafts if drafts_of and any(spec_drafts) else None,
         )
+        self._step.pooled = pooled
         if self.proposer is not None and self.proposer.needs_hidden:
             self._step.hidden = hidden if aux is None else torch.cat([aux, hidden], dim=-1)
             self._step.runs = [
@@ -299,6 +309,32 @@ class ModelRunner:
             hidden, residual = self.model.forward_stage(input_ids, positions, intermediate)
         pp.send([hidden, residual], pp.rank_in_group + 1)
         return None
+
+    def _pool(
+        self, hidden: torch.Tensor, reqs: list[tuple[str, int, int]]
+    ) -> dict[str, list[float]]:
+        """Pool the pooling requests' rows of this step (the prompt chunk each computed);
+        the vectors of the requests whose prompt this step completed."""
+        out: dict[str, list[float]] = {}
+        for req_id, row, num_rows in reqs:
+            state = self.requests[req_id]
+            params = state.pooling_params
+            assert params is not None
+            rows = hidden[row : row + num_rows].to(torch.float32)  # [num_rows, hidden_size]
+            if params.pooling_type == "mean":
+                part = rows.sum(dim=0)
+                state.pool_sum = part if state.pool_sum is None else state.pool_sum + part
+            if state.num_computed_tokens + num_rows < len(state.prompt_token_ids):
+                continue  # not yet advanced for this step: more prompt chunks to come
+            if params.pooling_type == "mean":
+                assert state.pool_sum is not None
+                vector = state.pool_sum / len(state.prompt_token_ids)
+            else:
+                vector = rows[-1]
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            out[req_id] = vector.tolist()
+        return out
 
     def _prompt_logprobs(
         self,
@@ -381,6 +417,7 @@ class ModelRunner:
             prompt_logprobs_dict=step.prompt_logprobs,
             draft_token_ids=draft_token_ids,
             kv_connector_output=step.kv_connector_output,
+            pooler_output=step.pooled,
         )
 
     def _propose(

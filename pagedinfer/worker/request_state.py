@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sample.metadata import SamplingMetadata
 from pagedinfer.sampling_params import GREEDY_EPS
 
@@ -40,6 +41,10 @@ class CachedRequestState:
     generator: torch.Generator | None
     # Prompt logprobs gathered chunk by chunk until the prompt is done.
     prompt_logprobs: list[LogprobsTensors] = field(default_factory=list)
+    # A pooling request: how to pool, and (mean pooling) the float32 sum of the hidden
+    # states of the prompt chunks computed so far.
+    pooling_params: PoolingParams | None = None
+    pool_sum: torch.Tensor | None = None
     # prompt + output, kept in step with output_token_ids by append_token().
     all_token_ids: list[int] = field(default_factory=list)
     # The same tokens in a growing numpy buffer, made on the first token_array() call (the

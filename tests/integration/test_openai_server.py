@@ -401,3 +401,52 @@ def test_max_tokens_past_the_model_length_is_refused(server) -> None:
         server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
     )
     assert status == 200
+
+
+def test_embeddings_match_llm_embed_beside_generation(server, client, llm) -> None:
+    """/v1/embeddings through the official client (which asks for base64 and decodes it)
+    equals `LLM.embed`, float and base64 alike, for both pooling types; run concurrently
+    with greedy chat requests, it leaves their answers as they are alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedinfer import PoolingParams
+
+    texts = ["The capital of France is Paris.", "def f(x): return x + 1",
+             "Embeddings map text to vectors. " * 8]  # fmt: skip
+    for pooling in ("last", "mean"):
+        expected = [o.outputs.embedding for o in llm.embed(
+            texts, PoolingParams(pooling_type=pooling), use_tqdm=False)]  # fmt: skip
+        extra = {"pooling_type": pooling}
+        got = client.embeddings.create(model=MODEL, input=texts, extra_body=extra)
+        floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float",
+                                          extra_body=extra)  # fmt: skip
+        assert [d.index for d in got.data] == [0, 1, 2]
+        assert got.usage.prompt_tokens == sum(
+            len(llm.get_tokenizer().encode(t)) for t in texts)  # fmt: skip
+        for e, a, b in zip(expected, got.data, floats.data):
+            assert len(a.embedding) == 576
+            assert max(abs(x - y) for x, y in zip(e, a.embedding)) < 1e-5
+            assert max(abs(x - y) for x, y in zip(e, b.embedding)) < 1e-5
+
+    messages = [[{"role": "user", "content": f"Name a fruit that is {c}."}]
+                for c in ("red", "yellow", "green", "purple")]  # fmt: skip
+
+    def chat(m):
+        out = client.chat.completions.create(model=MODEL, messages=m, max_tokens=24,
+                                             temperature=0)  # fmt: skip
+        return out.choices[0].message.content
+
+    def embed(i):
+        return client.embeddings.create(model=MODEL, input=texts[i % 3]).data[0].embedding
+
+    alone = [chat(m) for m in messages]
+    with ThreadPoolExecutor(8) as pool:
+        chats = [pool.submit(chat, m) for m in messages]
+        vectors = [pool.submit(embed, i) for i in range(8)]
+        assert [f.result() for f in chats] == alone
+        assert all(len(v.result()) == 576 for v in vectors)
+
+    status, body = _raw(server, "/v1/embeddings", {"input": "x", "dimensions": 64})
+    assert status == 400 and body["error"]["param"] == "dimensions"
+    status, body = _raw(server, "/v1/embeddings", {"input": [], "model": MODEL})
+    assert status == 400

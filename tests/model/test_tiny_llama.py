@@ -12,20 +12,9 @@ import torch
 
 from pagedinfer import LLM, SamplingParams
 
-from .tiny import VOCAB, make_tiny_llama_dir
+from .tiny import VOCAB
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_dir):
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    return model.eval()
 
 
 def _prompts() -> list[list[int]]:

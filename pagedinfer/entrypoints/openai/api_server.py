@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server over an engine client (`pagedinfer serve`).
 
-Endpoints: `/v1/completions`, `/v1/chat/completions` (JSON or SSE streaming), `/v1/models`,
+Endpoints: `/v1/completions`, `/v1/chat/completions` (JSON or SSE streaming),
+`/v1/embeddings`, `/v1/models`,
 `/health`, `/version`, `/tokenize`, `/detokenize`, and `/metrics` (Prometheus text format,
 see `engine/metrics.py`). Request bodies are validated by the pydantic models of
 `protocol.py`; every problem is a 4xx with an OpenAI-style error body
@@ -38,6 +39,8 @@ from pagedinfer.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -46,6 +49,7 @@ from pagedinfer.entrypoints.openai.protocol import (
 )
 from pagedinfer.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedinfer.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedinfer.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedinfer.entrypoints.openai.serving_engine import (
     EngineClient,
     error_response,
@@ -135,6 +139,12 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     return await handler.create_completion(request, raw_request)
 
 
+@router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}})
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingEmbedding = raw_request.app.state.openai_serving_embedding
+    return await handler.create_embedding(request, raw_request)
+
+
 @router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}})
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     handler: OpenAIServingChat = raw_request.app.state.openai_serving_chat
@@ -222,6 +232,7 @@ def build_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
     )
+    state.openai_serving_embedding = OpenAIServingEmbedding(engine_client, model_name)
     state.openai_serving_tokenization = OpenAIServingTokenization(
         engine_client, model_name, chat_template
     )

@@ -27,16 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import NotRequired, Self, TypedDict
 
 __all__ = [
-    "ToolCallBody",
-    "NamedToolChoice",
-    "NamedFunction",
-    "MessageToolCall",
-    "MessageFunctionCall",
-    "FunctionDefinition",
-    "FunctionCallBody",
-    "DeltaToolCall",
-    "DeltaFunctionCall",
-    "ChatTool",
     "ChatCompletionLogprobs",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -46,22 +36,35 @@ __all__ = [
     "ChatLogprobToken",
     "ChatMessage",
     "ChatResponseMessage",
+    "ChatTool",
     "ChatTopLogprob",
     "CompletionLogprobs",
     "CompletionRequest",
     "CompletionResponse",
     "CompletionResponseChoice",
     "CompletionStreamResponse",
+    "DeltaFunctionCall",
     "DeltaMessage",
+    "DeltaToolCall",
     "DetokenizeRequest",
     "DetokenizeResponse",
-    "IGNORED_AT_DEFAULT",
-    "IGNORED_FIELDS",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
     "ErrorInfo",
     "ErrorResponse",
+    "FunctionCallBody",
+    "FunctionDefinition",
+    "IGNORED_AT_DEFAULT",
+    "IGNORED_FIELDS",
     "JsonSchemaFormat",
+    "MessageFunctionCall",
+    "MessageToolCall",
     "ModelCard",
     "ModelList",
+    "NamedFunction",
+    "NamedToolChoice",
     "PromptLogprob",
     "PromptLogprobsBody",
     "PromptTokensDetails",
@@ -71,6 +74,7 @@ __all__ = [
     "StructuredOutputsFields",
     "TokenizeRequest",
     "TokenizeResponse",
+    "ToolCallBody",
     "UsageInfo",
     "VersionResponse",
 ]
@@ -337,6 +341,28 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
+class EmbeddingRequest(BaseModel):
+    """`/v1/embeddings`: OpenAI's fields, vLLM's `normalize` and `truncate_prompt_tokens`,
+    and `pooling_type` (pagedinfer's: vLLM fixes it per model)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    """Refused (a 400): no model served here is a Matryoshka model."""
+    user: str | None = None
+    normalize: bool = True
+    pooling_type: Literal["last", "mean"] = "last"
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @model_validator(mode="after")
+    def _known_fields_only(self) -> Self:
+        _refuse_unknown(self, "/v1/embeddings")
+        return self
+
+
 class TokenizeRequest(BaseModel):
     """`prompt` (text, tokenized as a completion prompt is) or `messages` (rendered with the
     chat template, as a chat request is): exactly one of them."""
@@ -549,6 +575,27 @@ class ChatCompletionStreamResponse(TypedDict):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: NotRequired[UsageInfo]
+
+
+class EmbeddingData(TypedDict):
+    object: Literal["embedding"]
+    embedding: list[float] | str
+    """Floats, or (encoding_format "base64") their little-endian float32 bytes in base64."""
+    index: int
+
+
+class EmbeddingUsage(TypedDict):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(TypedDict):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 class ModelCard(TypedDict):

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from pagedinfer.engine.input_processor import InputProcessor, PromptType
     from pagedinfer.engine.metrics import StatLogger
     from pagedinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+    from pagedinfer.pooling_params import PoolingParams
     from pagedinfer.tokenizer import Tokenizer
 
 __all__ = [
@@ -89,6 +90,15 @@ class EngineClient(Protocol):
     def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> RequestOutput: ...
 
     async def get_scheduler_stats(self) -> dict[str, float]: ...
 
