@@ -173,3 +173,51 @@ def test_structural_tag_constrains_what_follows_the_trigger(server, client) -> N
     assert answer.finish_reason in ("stop", "length", "tool_calls")
     for call in answer.message.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def _flat(tool: dict) -> dict:
+    """A chat tool as /v1/responses writes it (no "function" level)."""
+    return {"type": "function", **tool["function"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api_with_a_tool_call(server, stream) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=600)
+    body = {"model": MODEL, "input": "What's the weather like in Paris today?",
+            "tools": [_flat(WEATHER), _flat(CALC)], "tool_choice": "required",
+            "max_output_tokens": 120, "temperature": 0}  # fmt: skip
+    if stream:
+        events = list(client.responses.create(**body, stream=True))
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        response = events[-1].response
+    else:
+        response = client.responses.create(**body)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and response.status == "completed"
+    schemas = _schemas([WEATHER, CALC])
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    text = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=12)
+    assert text.output_text and text.output[0].type == "message"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_messages_with_a_tool_call(server, stream) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=600)
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}  # fmt: skip
+    body = {"model": MODEL, "max_tokens": 120, "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [{"role": "user", "content": "Is it raining in Tokyo?"}]}  # fmt: skip
+    if stream:
+        with client.messages.stream(**body) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**body)
+    (block,) = [b for b in message.content if b.type == "tool_use"]
+    jsonschema.validate(block.input, tool["input_schema"])
+    assert message.stop_reason == "tool_use"
+    text = client.messages.create(model=MODEL, max_tokens=12,
+                                  messages=[{"role": "user", "content": "Say hello."}])  # fmt: skip
+    assert text.content[0].type == "text" and text.content[0].text

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server over an engine client (`pagedinfer serve`).
 
 Endpoints: `/v1/completions`, `/v1/chat/completions` (JSON or SSE streaming),
-`/v1/embeddings`, `/v1/models`,
+`/v1/embeddings`, `/v1/responses`, Anthropic's `/v1/messages`, `/v1/models`,
 `/health`, `/version`, `/tokenize`, `/detokenize`, and `/metrics` (Prometheus text format,
 see `engine/metrics.py`). Request bodies are validated by the pydantic models of
 `protocol.py`; every problem is a 4xx with an OpenAI-style error body
@@ -32,6 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedinfer
 from pagedinfer.engine.core_client import EngineDeadError
 from pagedinfer.engine.metrics import PrometheusStatLogger
+from pagedinfer.entrypoints.anthropic.serving_messages import (
+    AnthropicServingMessages,
+    MessagesRequest,
+    anthropic_error,
+)
 from pagedinfer.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -43,6 +48,7 @@ from pagedinfer.entrypoints.openai.protocol import (
     EmbeddingResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -55,6 +61,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     error_response,
     json_response,
 )
+from pagedinfer.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedinfer.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 __all__ = ["DEFAULT_MODEL_NAME", "build_app"]
@@ -139,6 +146,18 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     return await handler.create_completion(request, raw_request)
 
 
+@router.post("/v1/messages")
+async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+    handler: AnthropicServingMessages = raw_request.app.state.anthropic_serving_messages
+    return await handler.create_message(request, raw_request)
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingResponses = raw_request.app.state.openai_serving_responses
+    return await handler.create_response(request, raw_request)
+
+
 @router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}})
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     handler: OpenAIServingEmbedding = raw_request.app.state.openai_serving_embedding
@@ -158,18 +177,24 @@ async def _http_error(_: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, str(exc.detail))
 
 
-async def _invalid(_: Request, exc: Exception) -> Response:
+async def _invalid(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if request.url.path == "/v1/messages":
+        return anthropic_error(400, f"{param or 'body'}: {message}")
     return error_response(400, f"{param or 'body'}: {message}", param)
 
 
 async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
     api_key: str | None = request.app.state.api_key
     if api_key is not None and request.url.path.startswith("/v1"):
-        if request.headers.get("authorization") != f"Bearer {api_key}":
+        # `Authorization: Bearer` (OpenAI's clients) or `x-api-key` (Anthropic's).
+        given = request.headers.get("authorization") == f"Bearer {api_key}"
+        if not given and request.headers.get("x-api-key") != api_key:
+            if request.url.path == "/v1/messages":
+                return anthropic_error(401, "Invalid or missing API key.")
             return error_response(401, "Invalid or missing API key.")
     return await call_next(request)
 
@@ -233,6 +258,8 @@ def build_app(
         reasoning_parser=reasoning_parser,
     )
     state.openai_serving_embedding = OpenAIServingEmbedding(engine_client, model_name)
+    state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
+    state.anthropic_serving_messages = AnthropicServingMessages(state.openai_serving_chat)
     state.openai_serving_tokenization = OpenAIServingTokenization(
         engine_client, model_name, chat_template
     )

@@ -69,6 +69,7 @@ __all__ = [
     "PromptLogprobsBody",
     "PromptTokensDetails",
     "ResponseFormat",
+    "ResponsesRequest",
     "SamplingFields",
     "StreamOptions",
     "StructuredOutputsFields",
@@ -360,6 +361,36 @@ class EmbeddingRequest(BaseModel):
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:
         _refuse_unknown(self, "/v1/embeddings")
+        return self
+
+
+class ResponsesRequest(BaseModel):
+    """`/v1/responses` (stateless; `serving_responses.py` maps it onto a chat request)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    """`{"format": {"type": "text" | "json_schema" | "json_object", ...}}`."""
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool | None = None
+    """Accepted and ignored: nothing is stored (see `previous_response_id`)."""
+    previous_response_id: str | None = None
+    """Refused with a 400: the server is stateless."""
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _known_fields_only(self) -> Self:
+        _refuse_unknown(self, "/v1/responses")
         return self
 
 

@@ -13,7 +13,7 @@ output. With `logprobs`, each token has itself (-0.5) and "?" (-2.0) as alternat
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -197,3 +197,15 @@ class FakeEngine:
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=kv,
         )
+
+
+def openai_client(engine: FakeEngine, **flags: Any) -> Iterator[Any]:
+    """The official `openai` client over `build_app(engine, **flags)` in process (one item:
+    use as `for client in openai_client(engine): ...`, the app's lifespan around it)."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from pagedinfer.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, build_app
+
+    with TestClient(build_app(engine, DEFAULT_MODEL_NAME, **flags)) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)

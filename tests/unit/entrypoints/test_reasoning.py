@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fastapi.testclient import TestClient
 
 from pagedinfer.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, build_app
 from pagedinfer.entrypoints.openai.reasoning import (
@@ -17,7 +16,7 @@ from pagedinfer.entrypoints.openai.reasoning import (
     ReasoningStream,
     split_reasoning,
 )
-from tests.unit.entrypoints.fake_engine import FakeEngine
+from tests.unit.entrypoints.fake_engine import FakeEngine, openai_client
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(60)
@@ -74,8 +73,7 @@ def engine() -> FakeEngine:
 
 
 def _client(engine: FakeEngine, **flags) -> Iterator[openai.OpenAI]:
-    with TestClient(build_app(engine, MODEL, **flags)) as http:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+    return openai_client(engine, **flags)
 
 
 def _ask(client, stream: bool, **fields):
