@@ -190,5 +190,5 @@ def test_backend_uses_the_kernel_for_bf16_and_sdpa_otherwise(dtype: torch.dtype)
         torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=0)
     else:
         # float32: the SDPA chunk path, built on first use and kept for the later layers.
-        assert metadata.paged_prefills is None and len(metadata.chunks) == 2
+        assert metadata.sdpa_prefills is not None and len(metadata.sdpa_prefills.chunks) == 2
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
