@@ -24,9 +24,10 @@ fields, duplicate keys, truncated JSON, JSON arrays/scalars instead of objects, 
 missing API key, wrong HTTP methods on known routes, unknown routes.
 
 Every request is kept cheap: a body that could be valid always carries `max_tokens` (and
-`max_completion_tokens`) <= 4 unless the malformation is about that field, and then it is
-given only values that must be rejected. Failures are recorded, not raised (no shrinking: a
-hang would cost a timeout per shrink step), and every distinct one is reported at the end.
+`max_completion_tokens`, `max_output_tokens`) <= 4 unless the malformation is about that
+field, and then it is given only values that must be rejected. Failures are recorded, not
+raised (no shrinking: a hang would cost a timeout per shrink step), and every distinct one is
+reported at the end.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ FUZZ_ROUTING = 100  # unknown routes and wrong methods
 MIN_REQUESTS = 500
 MAX_CHEAP_TOKENS = 4
 # Fields that bound the work a request does: always set (small) unless being fuzzed.
-COST_FIELDS = ("max_tokens", "max_completion_tokens")
-CONTENT_FIELDS = ("prompt", "messages", "tokens")  # what a route works on
+COST_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+CONTENT_FIELDS = ("prompt", "messages", "tokens", "input")  # what a route works on
 
 NAN, INF = float("nan"), float("inf")
 
@@ -144,7 +145,15 @@ def _problem(req: Req, resp: requests.Response) -> str | None:
     if req.method == "HEAD":
         return None
     ctype = resp.headers.get("content-type", "")
+    anthropic = req.path.startswith("/v1/messages")
     if status < 300:
+        if "text/event-stream" in ctype and req.path.startswith(("/v1/messages", "/v1/responses")):
+            # Typed events (`event: NAME`), ended by the API's last event, no [DONE].
+            names = [ln[7:] for ln in resp.text.splitlines() if ln.startswith("event: ")]
+            last = "message_stop" if anthropic else ("response.completed", "response.incomplete")
+            if not names or names[-1] not in last:
+                return f"{status} stream not ended by its last event: {resp.text[-300:]!r}"
+            return None
         if "text/event-stream" in ctype:
             events = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
             if not events or events[-1] != "[DONE]":
@@ -172,6 +181,12 @@ def _problem(req: Req, resp: requests.Response) -> str | None:
         TALLY.plain_error_shapes.add((status, tuple(sorted(body))))
         return None
     err = body.get("error")
+    if anthropic:  # Anthropic's shape: {"type": "error", "error": {...}}
+        if body.get("type") != "error" or not isinstance(err, dict):
+            return f"{status} error body is not Anthropic-style: {text!r}"
+        if not isinstance(err.get("type"), str) or not str(err.get("message", "")).strip():
+            return f"{status} Anthropic error without a type or message: {text!r}"
+        return None
     if not isinstance(err, dict):
         return f"{status} error body is not OpenAI-style: {text!r}"
     if not isinstance(err.get("message"), str) or not err["message"].strip():

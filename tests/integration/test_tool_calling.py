@@ -128,7 +128,12 @@ def test_forced_tool_calls_always_validate(client) -> None:
 def test_round_trip_call_result_answer(client) -> None:
     messages = [{"role": "user", "content": "What's the weather in Paris?"}]
     first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=100
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=100,
+        parallel_tool_calls=False,
     ).choices[0]
     (call,) = first.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")

@@ -170,10 +170,12 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     return await handler.create_chat_completion(request, raw_request)
 
 
-async def _http_error(_: Request, exc: Exception) -> Response:
+async def _http_error(request: Request, exc: Exception) -> Response:
     # The framework's own errors (unknown route, wrong method, a body that is not parseable
-    # at all) in the same OpenAI-style shape as ours.
+    # at all) in the same OpenAI-style shape as ours (Anthropic's on its route).
     assert isinstance(exc, StarletteHTTPException)
+    if request.url.path == "/v1/messages":
+        return anthropic_error(exc.status_code, str(exc.detail))
     return error_response(exc.status_code, str(exc.detail))
 
 

@@ -204,7 +204,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
     """vLLM's field: words never generated (`SamplingParams.bad_words`)."""
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     """vLLM's field: keep only the prompt's last this many tokens (-1: the model length)."""
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     """vLLM's field: the prompt tokens' logprobs (and this many top ones), returned as
@@ -356,7 +356,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     normalize: bool = True
     pooling_type: Literal["last", "mean"] = "last"
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)
 
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:

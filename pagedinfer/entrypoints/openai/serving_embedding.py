@@ -66,10 +66,10 @@ class OpenAIServingEmbedding(OpenAIServing):
             {"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)}  # type: ignore[arg-type]
             for x in items
         ]
-        pooling = PoolingParams(pooling_type=request.pooling_type, normalize=request.normalize)
-        params = pooling_sampling_params(request.truncate_prompt_tokens)
         request_id = f"embd-{uuid.uuid4().hex}"
-        try:  # every input validated before any runs
+        try:  # the options, then every input, validated before any runs
+            pooling = PoolingParams(pooling_type=request.pooling_type, normalize=request.normalize)
+            params = pooling_sampling_params(request.truncate_prompt_tokens)
             for i, prompt in enumerate(inputs):
                 self.engine_client.input_processor.process(
                     f"{request_id}-check-{i}", prompt, params, pooling_params=pooling
