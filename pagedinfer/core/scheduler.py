@@ -404,6 +404,11 @@ class Scheduler(SchedulerState):
                 known=request.num_tokens,
                 cached=request.num_computed_tokens if req_id in new_ids else 0,
                 new_blocks=[b.block_id for b in new_blocks_of.get(req_id, [])],
+                grammar=(
+                    None
+                    if request.structured_output_request is None
+                    else request.structured_output_request.backend
+                ),
             )
 
     # ---------------------------------------------------------------------- outputs

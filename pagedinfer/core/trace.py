@@ -11,7 +11,8 @@
 
 (`start`: tokens already computed before this step; `known`: prompt + generated tokens at
 that time; `cached`: the prefix-cache hit, on the
-request's first schedule and after each resumption; blocks: physical block ids), after a
+request's first schedule and after each resumption; `grammar`, for a guided request only:
+its structured-output backend; blocks: physical block ids), after a
 header line `{"trace": "pagedinfer", "version": 1, "block_size": .., "num_blocks": ..}`.
 
 `pagedinfer trace run.jsonl -o trace.html` renders it (`render_html`) as a self-contained
@@ -29,7 +30,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, TypedDict
+from typing import IO
+
+from typing_extensions import NotRequired, TypedDict
 
 __all__ = ["ScheduledChunk", "StepRecord", "StepTracer", "TraceHeader", "load_trace", "render_html"]
 
@@ -55,6 +58,8 @@ class ScheduledChunk(TypedDict):
     known: int
     cached: int
     new_blocks: list[int]
+    grammar: NotRequired[str]
+    """A guided request's structured-output backend ("xgrammar" or "guidance")."""
 
 
 class StepRecord(TypedDict):
@@ -133,18 +138,20 @@ class StepTracer:
         known: int,
         cached: int,
         new_blocks: list[int],
+        grammar: str | None = None,
     ) -> None:
-        self._step.scheduled.append(
-            {
-                "req": req_id,
-                "start": start,
-                "tokens": num_tokens,
-                "prompt_len": prompt_len,
-                "known": known,
-                "cached": cached,
-                "new_blocks": new_blocks,
-            }
-        )
+        chunk: ScheduledChunk = {
+            "req": req_id,
+            "start": start,
+            "tokens": num_tokens,
+            "prompt_len": prompt_len,
+            "known": known,
+            "cached": cached,
+            "new_blocks": new_blocks,
+        }
+        if grammar is not None:
+            chunk["grammar"] = grammar
+        self._step.scheduled.append(chunk)
 
     def note_preempted(self, req_id: str) -> None:
         self._step.preempted.append(req_id)

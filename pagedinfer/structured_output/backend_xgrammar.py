@@ -80,6 +80,32 @@ SUPPORTED_STRING_FORMATS = frozenset(
 )
 _ARRAY_UNSUPPORTED = ("contains", "minContains", "maxContains")
 _OBJECT_UNSUPPORTED = ("minProperties", "maxProperties", "propertyNames", "patternProperties")
+# Assertions and applicators xgrammar 0.2 compiles to "anything" (measured: it accepts
+# instances they forbid; tests/unit/structured_output/test_keyword_routing.py). oneOf is
+# enforced only when xgrammar can prove its branches disjoint, else read as anyOf.
+_IGNORED_KEYWORDS = ("not", "oneOf", "if", "then", "else", "dependentRequired",
+                     "dependentSchemas", "dependencies", "unevaluatedItems", "additionalItems",
+                     "$dynamicRef", "$recursiveRef")  # fmt: skip
+# Keywords that assert something of an instance (JSON Schema 2020-12 and draft 7), beside
+# which an anyOf or allOf loses its siblings in xgrammar (measured: `{"required": ["a"],
+# "anyOf": [...]}` accepted `{}`). Annotations (title, description, ...) do not count.
+_ASSERTIONS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+    "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+    "uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties", "required",
+    "dependentRequired", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+    "dependentSchemas", "dependencies", "prefixItems", "items", "additionalItems", "contains",
+    "properties", "patternProperties", "additionalProperties", "propertyNames",
+    "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef",
+})  # fmt: skip
+# Keywords that constrain one type only, which xgrammar enforces only in a node that
+# declares `type` (measured on JSON-Schema-Test-Suite: `{"maximum": 3}` took 3.5,
+# `{"required": ["a"]}` took `{}`); to a validator a typeless node allows other types.
+_TYPED_KEYWORDS = (
+    "maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum", "multipleOf",
+    "minLength", "maxLength", "pattern", "format", "items", "prefixItems", "minItems",
+    "maxItems", "properties", "required", "additionalProperties", "unevaluatedProperties",
+)  # fmt: skip
 
 
 def unsupported_json_features(schema: dict[str, Any]) -> list[str]:
@@ -91,9 +117,27 @@ def unsupported_json_features(schema: dict[str, Any]) -> list[str]:
     format and silently drops the length, so `{"format": "email", "maxLength": 10}` would
     let a 30-character address through), and an `allOf` of more than one schema (xgrammar
     0.2 warns and compiles such a node to "any JSON value"). A keyword counts when the node
-    may have the type it applies to (its `type` says so, or it has no `type`)."""
+    may have the type it applies to (its `type` says so, or it has no `type`). Also the
+    keywords xgrammar ignores whatever the type (`_IGNORED_KEYWORDS`: `not`, `oneOf`,
+    `if`/`then`/`else`, `dependentRequired`, ...), and an `anyOf` or `allOf` beside other
+    assertions in the same node (xgrammar then drops the siblings). Keywords outside JSON
+    Schema's vocabulary are annotations to a validator too, so they are not listed."""
     found: list[str] = []
-    for node in iter_schema_nodes(schema):
+    for depth, node in enumerate(iter_schema_nodes(schema)):
+        found.extend(k for k in _IGNORED_KEYWORDS if k in node)
+        if "type" not in node and not any(k in node for k in ("enum", "const", "$ref")):
+            found.extend(f"{k} without type" for k in _TYPED_KEYWORDS if k in node)
+        # References resolved by xgrammar: JSON pointers into this document only.
+        found.extend(k for k in ("$anchor", "$dynamicAnchor") if k in node)
+        if depth > 0 and "$id" in node:
+            found.append("$id in a subschema")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+            found.append(f"$ref {ref!r}")
+        for combinator in ("anyOf", "allOf"):
+            siblings = sorted(k for k in node if k in _ASSERTIONS and k != combinator)
+            if combinator in node and siblings:
+                found.append(f"{combinator} beside {', '.join(siblings)}")
         declared = node.get("type")
         types = {declared} if isinstance(declared, str) else set(declared or ())
 

@@ -131,6 +131,8 @@ class StructuredOutputManager:
         self._bitmask: Any = None  # torch int32 [max_num_seqs, words]
         self.bitmask_time_s = 0.0
         self.num_bitmask_steps = 0
+        self.num_requests = {"xgrammar": 0, "guidance": 0}
+        """Structured requests per backend (what "auto" chose, or the engine's)."""
 
     # ---------------------------------------------------------------------- compiling
 
@@ -175,6 +177,7 @@ class StructuredOutputManager:
             "guidance" if self.config.structured_outputs_backend == "guidance" else "xgrammar"
         )
         kind, spec = spec_key(params)
+        self.num_requests[backend] = self.num_requests.get(backend, 0) + 1
         so_request = StructuredOutputRequest(params, backend, (kind, spec))
         if params.reasoning_end:
             so_request.pending_end, so_request.pending_ids = params.reasoning_end, []
@@ -300,6 +303,7 @@ class StructuredOutputManager:
             "grammar_cache_hits": self.num_cache_hits,
             "bitmask_time_s": self.bitmask_time_s,
             "bitmask_steps": self.num_bitmask_steps,
+            **{f"grammar_requests_{name}": n for name, n in self.num_requests.items()},
         }
 
     def shutdown(self) -> None:

@@ -212,16 +212,21 @@ _FULL_TIME = (  # RFC 3339: leap second 60, optional fraction, "Z" or a +hh:mm o
     "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?"
     "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 )
+# A dotted quad without leading zeros: both libraries' own "ipv4" took "83.41.08.001"
+# (measured: tests/integration/test_json_schema_corpus.py), which validators refuse.
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 EXACT_FORMAT_PATTERNS = {
     "date": f"^{_FULL_DATE}$",
     "date-time": f"^{_FULL_DATE}[Tt]{_FULL_TIME}$",
+    "ipv4": f"^{_OCTET}(\\.{_OCTET}){{3}}$",
 }
 
 
 def exact_date_formats(schema: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `schema` where each string schema with `"format": "date"` or `"date-time"`
-    and no `pattern` of its own gets the exact `pattern` of that format instead (see
-    `EXACT_FORMAT_PATTERNS`), so that neither library can emit a day that does not exist.
+    """A copy of `schema` where each string schema with `"format": "date"`, `"date-time"`
+    or `"ipv4"` and no `pattern` of its own gets the exact `pattern` of that format instead
+    (see `EXACT_FORMAT_PATTERNS`), so that neither library can emit a day that does not
+    exist or an address with a leading zero.
     `schema` itself is returned when nothing changes."""
 
     def targets(node: dict[str, Any]) -> bool:

@@ -362,3 +362,33 @@ def test_the_grammar_starts_after_the_reasoning_end(llm: LLM) -> None:
     assert out.finish_reason == "stop", out.text
     head, _, tail = out.text.partition(" 8,")
     assert head == " 7," and re.fullmatch(r" [a-z]{3}", tail), out.text
+
+
+def test_auto_routes_by_keyword_and_reports_the_backend(tmp_path) -> None:
+    """The issue's case: top-level `required` beside `anyOf` (xgrammar dropped both) goes
+    to llguidance under "auto", and the finished output validates; with a `not` (neither
+    backend enforces it here) the request is refused naming it. The backend shows in the
+    stats and in the step trace."""
+    from pagedinfer.core.trace import load_trace
+
+    trace = tmp_path / "run.jsonl"
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=32 * 2**20, max_model_len=512,
+              log_stats_interval_s=0, trace_path=str(trace))  # fmt: skip
+    either = [{"required": ["age"]}, {"properties": {"name": {"const": "Bob"}}}]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+              "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name"], "additionalProperties": False, "anyOf": either}  # fmt: skip
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(max_tokens=80, temperature=0, structured_outputs=so)
+    out = llm.generate(_chat(llm, "Describe a person as JSON."), params, use_tqdm=False)
+    completion = out[0].outputs[0]
+    assert completion.finish_reason == "stop", completion.text
+    jsonschema.validate(json.loads(completion.text), schema)
+    stats = llm.get_stats()
+    assert stats["grammar_requests_guidance"] == 1 and stats["grammar_requests_xgrammar"] == 0
+    _, steps = load_trace(str(trace))
+    grammars = {c.get("grammar") for s in steps for c in s["scheduled"]}
+    assert grammars == {"guidance"}
+    negated = {**schema, "not": {"properties": {"age": {"const": 30}}}}
+    with pytest.raises(ValueError, match="not"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json=negated)))
