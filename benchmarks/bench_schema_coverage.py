@@ -30,26 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pagedinfer.structured_output.backend import (  # noqa: E402
     create_backend,
+    grammar_accepts_text,
     resolve_auto_backend,
 )
 from pagedinfer.structured_output.specs import StructuredOutputOptions  # noqa: E402
 from pagedinfer.tokenizer import Tokenizer  # noqa: E402
 
 JSON = StructuredOutputOptions.JSON
-
-
-def accepts(tokenizer: Tokenizer, backend, spec: str, text: str) -> bool:
-    grammar = backend.compile_grammar(JSON, spec)
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        if not grammar.accept_tokens("probe", [token]):
-            return False
-    if grammar.is_terminated():
-        return True
-    mask = backend.allocate_token_bitmask(1)
-    mask.fill_(0)
-    grammar.fill_bitmask(mask, 0)
-    eos = tokenizer.eos_token_id
-    return bool((int(mask[0, eos // 32]) >> (eos % 32)) & 1)
 
 
 def main() -> None:
@@ -95,7 +82,7 @@ def main() -> None:
                 continue
             for test in case["tests"]:
                 text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
-                ok = accepts(tokenizer, backends[used], spec, text)
+                ok = grammar_accepts_text(backends[used], tokenizer, JSON, spec, text)
                 if test["valid"]:
                     s["valid taken" if ok else "valid rejected"] += 1
                 elif ok:

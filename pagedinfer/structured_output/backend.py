@@ -47,6 +47,7 @@ __all__ = [
     "apply_token_bitmask",
     "bitmask_words",
     "create_backend",
+    "grammar_accepts_text",
     "resolve_auto_backend",
 ]
 
@@ -299,6 +300,30 @@ def create_backend(
 
         return GuidanceBackend(tokenizer, vocab_size, **opts)
     raise ValueError(f"unknown structured output backend {name!r} (xgrammar or guidance)")
+
+
+def grammar_accepts_text(
+    backend: StructuredOutputBackend,
+    tokenizer: Tokenizer,
+    kind: StructuredOutputOptions,
+    spec: str,
+    text: str,
+) -> bool:
+    """Whether a fresh grammar for `spec` takes `text` (its tokens) to an end: every token
+    accepted, then terminated or EOS allowed. For measuring what a backend enforces
+    (tests/unit/structured_output/test_keyword_routing.py, benchmarks/bench_schema_coverage.py)."""
+    grammar = backend.compile_grammar(kind, spec)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not grammar.accept_tokens("probe", [token]):
+            return False
+    if grammar.is_terminated():
+        return True
+    mask = backend.allocate_token_bitmask(1)
+    mask.fill_(0)
+    grammar.fill_bitmask(mask, 0)
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    return bool((int(mask[0, eos // 32]) >> (eos % 32)) & 1)
 
 
 def resolve_auto_backend(

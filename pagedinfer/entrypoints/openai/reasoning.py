@@ -77,8 +77,6 @@ class ReasoningStream:
         )
         self.at_start = True  # a `<think>` right at the start opens a block in any state
         self.buffer = ""
-        self.ended = False
-        """Whether the block was closed (`</think>` seen)."""
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.buffer += text
@@ -107,7 +105,7 @@ class ReasoningStream:
             if at:
                 out.append(("reasoning", self.buffer[:at]))
             self.buffer = self.buffer[at + len(self.parser.end) :]
-            self.state, self.ended = "content", True
+            self.state = "content"
         if self.buffer:
             out.append(("content", self.buffer))
             self.buffer = ""

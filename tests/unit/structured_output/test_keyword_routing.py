@@ -16,6 +16,7 @@ import pytest
 from pagedinfer.structured_output.backend import (
     StructuredOutputSpecError,
     create_backend,
+    grammar_accepts_text,
     resolve_auto_backend,
 )
 from pagedinfer.structured_output.specs import StructuredOutputOptions
@@ -88,18 +89,10 @@ def backends():
 
 def _accepts(tokenizer, backend, schema: dict, instance: object) -> bool:
     """Whether the compiled schema takes the instance's compact JSON to an end."""
-    grammar = backend.compile_grammar(StructuredOutputOptions.JSON, json.dumps(schema))
     text = json.dumps(instance, separators=(",", ":"))
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        if not grammar.accept_tokens("probe", [token]):
-            return False
-    if grammar.is_terminated():
-        return True
-    mask = backend.allocate_token_bitmask(1)
-    mask.fill_(0)
-    grammar.fill_bitmask(mask, 0)
-    eos = tokenizer.eos_token_id
-    return bool((int(mask[0, eos // 32]) >> (eos % 32)) & 1)
+    return grammar_accepts_text(
+        backend, tokenizer, StructuredOutputOptions.JSON, json.dumps(schema), text
+    )
 
 
 def _verdict(tokenizer, backend, schema, good, bad) -> str:
