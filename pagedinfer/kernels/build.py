@@ -21,6 +21,15 @@ if __package__:
         logger,
     )
 else:  # run as a file: the sibling module, without importing pagedinfer/__init__.py
+    # and envs.py loaded by its path (it imports only `os`) for cpu.py to find.
+    import importlib.util
+    import os
+
+    _envs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "envs.py")
+    _spec = importlib.util.spec_from_file_location("_pagedinfer_envs", _envs)
+    assert _spec is not None and _spec.loader is not None
+    sys.modules["_pagedinfer_envs"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["_pagedinfer_envs"])
     from cpu import cpu_kernels_failure, is_cpu_kernels_built, load_cpu_kernels, logger  # type: ignore[import-not-found, no-redef]
 
 

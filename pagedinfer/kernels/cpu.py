@@ -31,7 +31,10 @@ import threading
 import time
 from typing import Any
 
-from pagedinfer import envs
+if __package__:
+    from pagedinfer import envs
+else:  # loaded by build.py run as a plain file (`make setup`), before pagedinfer installs
+    import _pagedinfer_envs as envs  # type: ignore[import-not-found, no-redef]
 
 logger = logging.getLogger(__name__)
 
