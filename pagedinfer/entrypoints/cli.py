@@ -141,6 +141,12 @@ def _add_serving_parsers(sub: Any) -> None:
         "it in `reasoning` / `reasoning_content`, and guided decoding and tool parsing start "
         "after it.",
     )
+    serve.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Answer GET /tokenizer_info (special tokens and the chat template), which "
+        "clients such as lm-evaluation-harness use to tokenize through the server.",
+    )
     add_engine_args(serve)
 
     proxy = sub.add_parser(
@@ -399,6 +405,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         reasoning_parser=ns.reasoning_parser,
+        enable_tokenizer_info=ns.enable_tokenizer_info_endpoint,
     )
     curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"

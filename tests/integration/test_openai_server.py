@@ -23,7 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--api-key", KEY, *ENGINE)
+    srv = ServerProcess("--api-key", KEY, "--enable-tokenizer-info-endpoint", *ENGINE)
     yield srv.base
     srv.stop()
 
@@ -193,6 +193,24 @@ def test_tokenize_and_detokenize(server, client) -> None:
     status, err = _raw(server, "/detokenize", {"tokens": [1, -5, 10**6]})
     assert status == 400 and "out of range" in err["error"]["message"]
     assert _raw(server, "/detokenize", {"model": "nope", "tokens": [1]})[0] == 404
+
+
+def test_tokenizer_info_describes_the_served_tokenizer(server, llm) -> None:
+    """What lm-evaluation-harness's remote tokenizer reads (benchmarks/bench_lm_eval.py runs
+    the harness itself): the special tokens and the chat template chat requests use."""
+    tokenizer = llm.get_tokenizer()
+    status, info = _raw(server, "/tokenizer_info", key=None)
+    assert status == 200
+    assert info["eos_token"] == "<|im_end|>" == tokenizer.token_text(tokenizer.eos_token_id)
+    assert info["bos_token"] == tokenizer.token_text(tokenizer.bos_token_id)
+    assert info["chat_template"] == tokenizer.chat_template
+    assert "<|im_start|>" in info["chat_template"]
+    assert info["model_max_length"] == 512 and info["vocab_size"] == tokenizer.vocab_size
+    assert info["add_bos_token"] is tokenizer.add_bos_token
+    # The special tokens round-trip through /tokenize as one id each, as the harness expects.
+    body = {"prompt": info["eos_token"], "add_special_tokens": False}
+    status, out = _raw(server, "/tokenize", body)
+    assert out["tokens"] == [tokenizer.eos_token_id]
 
 
 def _scrape(server: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -51,6 +51,7 @@ from pagedinfer.entrypoints.openai.protocol import (
     ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from pagedinfer.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -110,6 +111,16 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
     return await handler.create_detokenize(request)
+
+
+@router.get("/tokenizer_info", responses={200: {"model": TokenizerInfoResponse}})
+async def tokenizer_info(raw_request: Request) -> Response:
+    if not raw_request.app.state.enable_tokenizer_info:
+        return error_response(
+            404, "/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint."
+        )
+    handler: OpenAIServingTokenization = raw_request.app.state.openai_serving_tokenization
+    return json_response(handler.tokenizer_info())
 
 
 def _model_card(state: Any) -> ModelCard:
@@ -222,13 +233,15 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
+    enable_tokenizer_info: bool = False,
 ) -> FastAPI:
     """The app over `engine_client` (an `AsyncLLM`); with `shutdown_engine`, the app's
     lifespan ends it (so the engine process goes with the server however the ASGI server is
     stopped). `chat_template` (a jinja template) replaces the model's own for chat and
     tokenize requests; `tool_call_parser`, `enable_auto_tool_choice` and `reasoning_parser`
-    are the `serve` flags (`tool_choice.py`, `reasoning.py`). Adds the app's Prometheus
-    logger to the engine's `stat_loggers`."""
+    are the `serve` flags (`tool_choice.py`, `reasoning.py`), and so is
+    `enable_tokenizer_info` (`GET /tokenizer_info`, off by default as in vLLM). Adds the
+    app's Prometheus logger to the engine's `stat_loggers`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -247,6 +260,7 @@ def build_app(
     state.engine_client = engine_client
     state.model_name = model_name
     state.api_key = api_key
+    state.enable_tokenizer_info = enable_tokenizer_info
     state.created = int(time.time())
     state.metrics = PrometheusStatLogger(model_name, engine_client.max_model_len)
     engine_client.stat_loggers.append(state.metrics)

@@ -75,6 +75,7 @@ __all__ = [
     "StructuredOutputsFields",
     "TokenizeRequest",
     "TokenizeResponse",
+    "TokenizerInfoResponse",
     "ToolCallBody",
     "UsageInfo",
     "VersionResponse",
@@ -652,6 +653,24 @@ class TokenizeResponse(TypedDict):
 
 class DetokenizeResponse(TypedDict):
     prompt: str
+
+
+class TokenizerInfoResponse(TypedDict):
+    """`GET /tokenizer_info` (vLLM's, behind `--enable-tokenizer-info-endpoint`): what a
+    client needs to tokenize and render chats as the server does, through `/tokenize`
+    (lm-evaluation-harness's "remote" tokenizer reads it)."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+    """The template chat requests use: `--chat-template` if given, else the model's."""
+    model_max_length: int
+    vocab_size: int
 
 
 class VersionResponse(TypedDict):

@@ -1,9 +1,11 @@
-"""`/tokenize` and `/detokenize` (vLLM's extensions): the served model's tokenizer, without
-running the model.
+"""`/tokenize`, `/detokenize` and `/tokenizer_info` (vLLM's extensions): the served model's
+tokenizer, without running the model.
 
 `/tokenize` takes exactly one of `prompt` (encoded as a completion prompt is) and `messages`
 (rendered with the chat template, as a chat request is); `/detokenize` rejects ids outside
-the vocabulary with a 400. Built and routed by `api_server.py`.
+the vocabulary with a 400; `/tokenizer_info` describes the tokenizer (special tokens, chat
+template) and answers only on a server started with `--enable-tokenizer-info-endpoint`, as
+vLLM's (it shows the chat template). Built and routed by `api_server.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pagedinfer.entrypoints.openai.protocol import (
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -31,7 +34,7 @@ __all__ = ["OpenAIServingTokenization"]
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """Handles `/tokenize` and `/detokenize`."""
+    """Handles `/tokenize`, `/detokenize` and `/tokenizer_info`."""
 
     async def create_tokenize(self, request: TokenizeRequest) -> Response:
         if (bad := self.check_model(request.model)) is not None:
@@ -73,3 +76,18 @@ class OpenAIServingTokenization(OpenAIServing):
                 400, f"tokens: ids out of range [0, {vocab}): {bad_ids[:5]}", "tokens"
             )
         return json_response(DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens)))
+
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        tok = self.tokenizer
+        return TokenizerInfoResponse(
+            tokenizer_class="PreTrainedTokenizerFast",  # what `save_hf` writes: same encodings
+            bos_token=tok.token_text(tok.bos_token_id),
+            eos_token=tok.token_text(tok.eos_token_id),
+            pad_token=tok.token_text(tok.pad_token_id),
+            unk_token=tok.token_text(tok.unk_token_id),
+            add_bos_token=tok.add_bos_token,
+            add_eos_token=tok.add_eos_token,
+            chat_template=self.chat_template or tok.chat_template,
+            model_max_length=self.engine_client.max_model_len,
+            vocab_size=tok.vocab_size,
+        )

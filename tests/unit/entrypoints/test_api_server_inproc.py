@@ -261,6 +261,13 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
     assert_error(resp, 400, "BadRequestError", "ids out of range [0, 1000): [5000]", "tokens")
 
 
+def test_tokenizer_info_is_off_by_default(client: TestClient) -> None:
+    """As vLLM's: the endpoint shows the chat template, so a server answers it only when
+    started with --enable-tokenizer-info-endpoint (on: tests/integration/test_openai_server)."""
+    resp = client.get("/tokenizer_info")
+    assert_error(resp, 404, "NotFoundError", "--enable-tokenizer-info-endpoint", None)
+
+
 def test_dead_engine(client: TestClient, engine: FakeEngine) -> None:
     engine.dead = True
     assert_error(client.get("/health"), 503, "ServiceUnavailableError", "dead", None)
