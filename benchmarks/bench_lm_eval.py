@@ -28,12 +28,10 @@ import glob
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "benchmarks", "lm_eval")
@@ -65,40 +63,6 @@ def ensure_venv(venv: str) -> str:
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         subprocess.run([python, "-m", "pip", "install", "--quiet", LM_EVAL, *_pins()], check=True)
     return os.path.join(venv, "bin", "lm_eval")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: str, log_path: str) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedinfer", "serve", model, "--port", str(self.port),
-             "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "model",
-             "--enable-tokenizer-info-endpoint"],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during startup; log: {log_path}")
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError("server did not come up")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self._log.close()
 
 
 def run_harness(lm_eval: str, out_dir: str, model: str, model_args: str, tasks: str,
@@ -151,6 +115,7 @@ def main() -> int:
 
     sys.path.insert(0, ROOT)
     from pagedinfer.gguf_metadata import GEMMA3_270M, find_default_model, find_gemma3_270m
+    from tests.integration.server_proc import ServerProcess
 
     if args.model == GEMMA3_270M:
         args.model = find_gemma3_270m()
@@ -165,7 +130,9 @@ def main() -> int:
         hf = run_harness(lm_eval, f"{tmp}/hf", "hf", hf_args, both)
         hf_chat = run_harness(lm_eval, f"{tmp}/hf_chat", "hf", hf_args, "pagedinfer_generate",
                               chat=True)  # fmt: skip
-        server = Server(model, f"{tmp}/server.log")
+        server = ServerProcess(model, "--dtype", "float32", "--max-model-len", "2048",
+                               "--served-model-name", "model",
+                               "--enable-tokenizer-info-endpoint")  # fmt: skip
         try:
             base = server.base
             ours = run_harness(lm_eval, f"{tmp}/ours", "local-completions",

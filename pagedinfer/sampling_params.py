@@ -77,6 +77,14 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The grammar applies only after this text appears in the output (the end of a
     reasoning block, `</think>`; the server sets it under `--reasoning-parser`): the
     tokens up to and including it are unconstrained, the grammar starts after them."""
+    close_within_max_tokens: bool = False
+    """With `json`: the output is a complete instance even when the token budget
+    (max_tokens, max_model_len) runs out first. Once the budget left comes near what the
+    shortest completion of the text so far needs (strings closed, missing required
+    properties at their minimal values: `structured_output/json_closer.py`), the engine
+    forces that completion, token by token, each checked by the grammar. Such an output
+    finishes with reason "length": it was cut, yet it parses and validates. The server sets
+    it for forced tool calls; a pagedinfer extension (vLLM has none)."""
     resolved_backend: str | None = None
     """Set by the front end: the backend that validated the spec ("xgrammar" or
     "guidance"; with the engine's "auto", the one that can take it). Not for users."""
@@ -102,6 +110,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
                 raise ValueError(f"structured outputs: {name} must not be empty.")
+        if self.close_within_max_tokens and self.json is None:
+            raise ValueError("structured outputs: close_within_max_tokens needs a json schema.")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -93,7 +93,7 @@ class EngineCore:
         from pagedinfer.structured_output.manager import StructuredOutputManager
 
         self.structured_output_manager = StructuredOutputManager(
-            config, info.vocab_size, config.scheduler_config.max_num_seqs
+            config, info.vocab_size, config.scheduler_config.max_num_seqs, self.max_model_len
         )
         self.scheduler.structured_output_manager = self.structured_output_manager
         # Set when anything changed the scheduler since the last snapshot sent while idle.

@@ -44,6 +44,7 @@ __all__ = [
     "MatcherGrammar",
     "StructuredOutputBackend",
     "StructuredOutputGrammar",
+    "allow_only",
     "apply_token_bitmask",
     "bitmask_words",
     "create_backend",
@@ -91,11 +92,16 @@ class StructuredOutputGrammar(ABC):
         """Back to the initial state (nothing accepted)."""
 
 
-def _eos_only_row(bitmask: torch.Tensor, row: int, eos: int) -> None:
+def allow_only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Row `row` of a packed int32 bitmask allows `token_id` alone."""
     bitmask[row].zero_()
-    word, bit = divmod(eos, 32)
+    word, bit = divmod(token_id, 32)
     value = 1 << bit
     bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _eos_only_row(bitmask: torch.Tensor, row: int, eos: int) -> None:
+    allow_only(bitmask, row, eos)
 
 
 class MatcherGrammar(StructuredOutputGrammar):

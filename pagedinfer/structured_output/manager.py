@@ -18,6 +18,12 @@ Reasoning (`StructuredOutputsParams.reasoning_end`, vLLM's reasoning-aware guide
 the request samples freely, without mask rows, until its output contains that text; the
 grammar then sees only the tokens after it.
 
+Closing within the budget (`StructuredOutputsParams.close_within_max_tokens`): within
+`CLOSE_WINDOW` tokens of the end of its budget, a JSON request's text is completed by
+`json_closer.closing_text` each step; once that completion needs about all the budget left,
+its tokens (checked by the grammar first) are forced one row at a time, and the request
+finishes with reason "length" when the last is sampled.
+
 Speculative decoding (several tokens per step): `validate_tokens` trims a request's draft to
 the prefix its grammar allows (the scheduler then schedules only that), and
 `grammar_bitmask` gives a request with k scheduled draft tokens k + 1 rows: the mask at each
@@ -27,6 +33,7 @@ verification position, found by advancing the grammar through the drafts and rol
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import os
 import threading
@@ -39,8 +46,10 @@ from pagedinfer.sampling_params import StructuredOutputsParams
 from pagedinfer.structured_output.backend import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
+    allow_only,
     create_backend,
 )
+from pagedinfer.structured_output.json_closer import closing_text
 from pagedinfer.structured_output.specs import StructuredOutputOptions, canonical_spec
 
 if TYPE_CHECKING:
@@ -51,6 +60,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedinfer")
 
 __all__ = ["StructuredOutputManager", "StructuredOutputRequest", "spec_key"]
+
+CLOSE_WINDOW = 64
+"""`close_within_max_tokens`: the closing is worked out each step once the budget left is at
+most this many tokens (closings of forced tool calls measure 2-20 tokens)."""
+CLOSE_MARGIN = 4
+"""... and forced once it needs at least the budget left less this margin (one free token
+can lengthen the closing: a comma in an object still missing required properties), or, at
+a boundary between two elements, once one more element would not fit."""
 
 
 def spec_key(params: StructuredOutputsParams) -> tuple[StructuredOutputOptions, str]:
@@ -87,6 +104,12 @@ class StructuredOutputRequest:
     """While set (the reasoning has not ended), the grammar neither masks nor advances."""
     pending_ids: list[int] | None = None
     """The output tokens so far while `pending_end` is set (their text is searched)."""
+    grammar_start: int = 0
+    """Output tokens before the grammar's first (the reasoning, if any)."""
+    closing: list[int] | None = None
+    """`close_within_max_tokens`, once started: the completion's tokens not yet sampled."""
+    schema: Any = None
+    """`close_within_max_tokens`: the JSON schema, parsed when first needed."""
 
     @property
     def constraining(self) -> bool:
@@ -112,8 +135,15 @@ class StructuredOutputRequest:
 
 
 class StructuredOutputManager:
-    def __init__(self, config: EngineConfig, vocab_size: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab_size: int,
+        max_num_seqs: int,
+        max_model_len: int | None = None,
+    ) -> None:
         self.config = config.structured_outputs_config
+        self.max_model_len = max_model_len
         self.model = config.model_config.model
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
@@ -131,6 +161,8 @@ class StructuredOutputManager:
         self._bitmask: Any = None  # torch int32 [max_num_seqs, words]
         self.bitmask_time_s = 0.0
         self.num_bitmask_steps = 0
+        self.num_closed = 0
+        """Requests whose JSON was closed within their budget (`close_within_max_tokens`)."""
         self.num_requests = {"xgrammar": 0, "guidance": 0}
         """Structured requests per backend (what "auto" chose, or the engine's)."""
 
@@ -207,7 +239,7 @@ class StructuredOutputManager:
         request, plus one per scheduled draft token. A terminated grammar's row allows
         everything (its request is about to finish); so do the rows after a draft token the
         grammar refuses (the rejection sampler stops at that token anyway)."""
-        rows: list[tuple[str, StructuredOutputGrammar, list[int]]] = []
+        rows: list[tuple[str, StructuredOutputGrammar, list[int], list[int] | None]] = []
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
@@ -215,19 +247,23 @@ class StructuredOutputManager:
             if so is None or not so.constraining or request.is_prefill_chunk:
                 continue
             assert so.grammar is not None
-            rows.append((req_id, so.grammar, drafts_of.get(req_id, [])))
+            closing = self._closing(request, so) if so.params.close_within_max_tokens else None
+            rows.append((req_id, so.grammar, drafts_of.get(req_id, []), closing))
         if not rows:
             return None
         start = time.perf_counter()
-        total = sum(1 + len(drafts) for _, _, drafts in rows)
+        total = sum(1 + len(drafts) for _, _, drafts, _ in rows)
         if self._bitmask is None or self._bitmask.shape[0] < total:
             backend = next(iter(self._backends.values()))
             self._bitmask = backend.allocate_token_bitmask(max(self.max_num_seqs, total))
         bitmask = self._bitmask[:total]
         bitmask.fill_(-1)
         row = 0
-        for _, grammar, drafts in rows:
-            if drafts:
+        for _, grammar, drafts, closing in rows:
+            if closing:  # forced: the closing's next tokens (drafts that differ are rejected)
+                for j in range(min(1 + len(drafts), len(closing))):
+                    allow_only(bitmask, row + j, closing[j])
+            elif drafts:
                 self._fill_draft_rows(grammar, drafts, bitmask, row)
             elif not grammar.is_terminated():
                 grammar.fill_bitmask(bitmask, row)
@@ -235,10 +271,63 @@ class StructuredOutputManager:
         self.bitmask_time_s += time.perf_counter() - start
         self.num_bitmask_steps += 1
         return GrammarOutput(
-            [r for r, _, _ in rows],
+            [r for r, _, _, _ in rows],
             bitmask.numpy().copy(),
-            num_rows=[1 + len(d) for _, _, d in rows] if drafts_of else [],
+            num_rows=[1 + len(d) for _, _, d, _ in rows] if drafts_of else [],
         )
+
+    def _budget_left(self, request: Request) -> float:
+        """Tokens the request may still sample (max_tokens, max_model_len)."""
+        left = float("inf")
+        if request.max_tokens is not None:
+            left = request.max_tokens - request.num_output_tokens
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - request.num_tokens)
+        return left
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _closing(self, request: Request, so: StructuredOutputRequest) -> list[int] | None:
+        """The tokens to force from here for `close_within_max_tokens` (see the module
+        docstring), or None while the request samples freely."""
+        if so.closing is not None:
+            return so.closing
+        left = self._budget_left(request)
+        if left > CLOSE_WINDOW or so.grammar is None or so.grammar.is_terminated():
+            return None
+        if so.schema is None:
+            json_spec = so.params.json
+            so.schema = json.loads(json_spec) if isinstance(json_spec, str) else json_spec
+        text = self._tokenizer.decode(request.output_token_ids[so.grammar_start :])
+        tail = closing_text(text, so.schema)
+        if not tail:  # complete already (the grammar lets it end), or no closing known
+            return None
+        ids = self._encode(tail)
+        if len(ids) + CLOSE_MARGIN < left:
+            # At (or one quote from) the end of a value, with only brackets left to close:
+            # close now if one more element, at any of those levels (a comma, its minimal
+            # form, the closing after it), could not be finished in the budget. One token
+            # (`",` or `},`) can take the text there, and the closing would then grow by a
+            # whole element at once: cut, or finished by inventing a whole tool call.
+            run = len(tail) - len(tail.lstrip('"}]'))
+            worst = 0
+            for k in range(run + 1 if run else 0):
+                more = closing_text(text + tail[:k] + ",", so.schema)
+                if more is not None:
+                    worst = max(worst, len(self._encode(tail[:k] + "," + more)))
+            if worst + CLOSE_MARGIN < left:
+                return None
+        # The grammar must take every token and then allow the end (EOS).
+        eos = self._tokenizer.eos_token_id
+        check = ids if eos is None else [*ids, eos]
+        if so.grammar.validate_tokens(check) != check:
+            logger.debug("Request %s: the grammar refuses the closing %r.", request.request_id,
+                         tail)  # fmt: skip
+            return None
+        so.closing = ids
+        self.num_closed += 1
+        return ids
 
     @staticmethod
     def _fill_draft_rows(
@@ -277,6 +366,11 @@ class StructuredOutputManager:
             return None
         if so.grammar.is_terminated():
             return RequestStatus.FINISHED_STOPPED
+        if so.closing is not None:
+            if so.closing and so.closing[0] == token_id:
+                so.closing.pop(0)
+            else:  # cannot happen: the mask allowed this token alone
+                so.closing = None
         if not so.grammar.accept_tokens(request.request_id, [token_id]):
             logger.error("Request %s: token %d rejected by its grammar.", request.request_id,
                          token_id)  # fmt: skip
@@ -285,6 +379,8 @@ class StructuredOutputManager:
                 "satisfiable?)"
             )
             return RequestStatus.FINISHED_ERROR
+        if so.closing == []:  # the forced completion is out: cut by the budget, yet whole
+            return RequestStatus.FINISHED_LENGTH_CAPPED
         return RequestStatus.FINISHED_STOPPED if so.grammar.is_terminated() else None
 
     def _watch_reasoning(self, so: StructuredOutputRequest, token_id: int) -> None:
@@ -295,6 +391,7 @@ class StructuredOutputManager:
         so.pending_ids.append(token_id)
         tail = so.pending_ids[-32:]
         if so.pending_end in self._tokenizer.decode(tail, skip_special_tokens=False):
+            so.grammar_start = len(so.pending_ids)
             so.pending_end, so.pending_ids = None, None
 
     def stats(self) -> dict[str, float]:
@@ -303,6 +400,7 @@ class StructuredOutputManager:
             "grammar_cache_hits": self.num_cache_hits,
             "bitmask_time_s": self.bitmask_time_s,
             "bitmask_steps": self.num_bitmask_steps,
+            "grammar_closed_at_budget": self.num_closed,
             **{f"grammar_requests_{name}": n for name, n in self.num_requests.items()},
         }
 

@@ -13,7 +13,11 @@
 - a named function: guided decoding forces its arguments object; read by `NamedToolParser`.
 
 Forced calls use compact JSON (`disable_any_whitespace`): a small model given free
-whitespace can emit newlines until `max_tokens`. vLLM answers `finish_reason` "stop" for a
+whitespace can emit newlines until `max_tokens`. They also close within the budget
+(`close_within_max_tokens`): an answer that would run past `max_tokens` (a small model
+looping inside a string, or repeating a call) has its JSON completed by the engine in its
+last tokens, so it always holds at least one whole call whose arguments validate; such an
+answer says `finish_reason` "length". vLLM answers `finish_reason` "stop" for a
 named choice; here any answer whose calls ended it says "tool_calls", which is what agent
 loops test for. Built by `serving_chat.py` per request (`plan_tools`).
 """
@@ -180,7 +184,9 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None, auto_enabled:
         )
         return ToolPlan(
             RequiredToolParser,
-            StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+            StructuredOutputsParams(
+                json=schema, disable_any_whitespace=True, close_within_max_tokens=True
+            ),
             template_tools,
             fallback_system=tools_system_message(tools, answer),
         )
@@ -191,7 +197,9 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None, auto_enabled:
     tool = tools[names.index(name)]
     return ToolPlan(
         lambda: NamedToolParser(name),
-        StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True),
+        StructuredOutputsParams(
+            json=_parameters(tool), disable_any_whitespace=True, close_within_max_tokens=True
+        ),
         template_tools,
         fallback_system=tools_system_message(
             tools, f"Call {name}: answer with its arguments as a JSON object."

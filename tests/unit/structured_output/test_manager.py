@@ -4,6 +4,8 @@ validation, and the model runner mapping mask rows onto logits rows."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -143,3 +145,95 @@ def test_the_runner_maps_mask_rows_onto_logits_rows() -> None:
     ModelRunner._apply_grammar_bitmask(logits, {"b": 0, "a": 2}, out)
     finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
     assert finite == [[13], list(range(VOCAB)), [10], [11], list(range(VOCAB))]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
+           "days": {"type": "integer", "minimum": 1}}, "required": ["city", "days"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("max_tokens", [40, 12, 3])
+def test_close_within_max_tokens_forces_a_valid_end(manager, tokenizer, backend, max_tokens):
+    """A "model" that loops inside a string forever: with `close_within_max_tokens`, its
+    last rows allow one token each (the closing), and the request ends within max_tokens
+    with JSON that validates, reason "length". With too small a budget (3) the closing
+    cannot fit: forced from the first token, it ends cut, as without the option."""
+    jsonschema = pytest.importorskip("jsonschema")
+    (req,) = create_requests(1, start=40 + max_tokens)
+    params = StructuredOutputsParams(json=WEATHER, close_within_max_tokens=True)
+    params.resolved_backend = backend
+    req.sampling_params = SamplingParams(max_tokens=max_tokens, structured_outputs=params)
+    req.max_tokens = max_tokens
+    req.structured_output_request = None
+    manager.grammar_init(req)
+    req.structured_output_request.future.result(timeout=60)
+    assert req.structured_output_request.is_ready()
+    script = '{"city":"'  # then "ab" forever
+    loop = tokenizer.encode("ab", add_special_tokens=False)[0]
+    end = None
+    forced = 0
+    while end is None and req.num_output_tokens < max_tokens:
+        out = manager.grammar_bitmask({req.request_id: req}, step([req.request_id]))
+        ok = np.flatnonzero(allowed(out.bitmask, 0))
+        if script:  # the allowed token that writes most of the script
+            texts = {int(t): tokenizer.decode([int(t)]) for t in ok}
+            token = max((t for t in texts if texts[t] and script.startswith(texts[t])),
+                        key=lambda t: len(texts[t]))  # fmt: skip
+            script = script[len(texts[token]) :]
+        elif len(ok) == 1:
+            token, forced = int(ok[0]), forced + 1
+        else:
+            token = loop
+            assert loop in ok
+        req.append_output_token_ids(token)
+        end = manager.accept_token(req, token)
+    text = tokenizer.decode(req.output_token_ids)
+    if max_tokens == 3:
+        # Cut: from the first token on, the rows held the minimal object's tokens alone.
+        assert end is None and '{"city":"","days":1}'.startswith(text) and len(text) > 3
+        return
+    assert end == RequestStatus.FINISHED_LENGTH_CAPPED and forced >= 2
+    assert req.num_output_tokens <= max_tokens
+    value = json.loads(text)
+    jsonschema.validate(value, WEATHER)
+    assert value["days"] == 1 and value["city"].startswith("ab" if max_tokens > 12 else "")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closing_a_repeated_call_list_invents_no_call(manager, tokenizer, backend) -> None:
+    """A "model" that repeats one call without end in a parallel list (as the default model
+    does with `get_time`): the list is closed between two calls once another could not be
+    finished, so every call in it is one the model wrote, none made up by the closing."""
+    from pagedinfer.entrypoints.openai.protocol import ChatTool
+    from pagedinfer.entrypoints.openai.tool_choice import required_schema
+
+    tools = [ChatTool.model_validate({"type": "function", "function": f}) for f in (
+        {"name": "search_web", "parameters": {"type": "object", "properties": {
+            "query": {"type": "string"}}, "required": ["query"]}},
+        {"name": "get_time"})]  # fmt: skip
+    schema = required_schema(tools, parallel=True)
+    (req,) = create_requests(1, start=90)
+    params = StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                     close_within_max_tokens=True)  # fmt: skip
+    params.resolved_backend = backend
+    req.sampling_params = SamplingParams(max_tokens=70, structured_outputs=params)
+    req.max_tokens = 70
+    req.structured_output_request = None
+    manager.grammar_init(req)
+    req.structured_output_request.future.result(timeout=60)
+    assert req.structured_output_request.is_ready()
+    script = tokenizer.encode('[' + '{"name":"get_time","parameters":{}},' * 20,
+                              add_special_tokens=False)  # fmt: skip
+    end = None
+    while end is None and req.num_output_tokens < 70:
+        out = manager.grammar_bitmask({req.request_id: req}, step([req.request_id]))
+        ok = np.flatnonzero(allowed(out.bitmask, 0))
+        token = script.pop(0)
+        if token not in ok:  # forced: the closing
+            assert len(ok) == 1
+            token = int(ok[0])
+        req.append_output_token_ids(token)
+        end = manager.accept_token(req, token)
+    calls = json.loads(tokenizer.decode(req.output_token_ids))
+    assert end == RequestStatus.FINISHED_LENGTH_CAPPED and req.num_output_tokens <= 70
+    assert len(calls) >= 3 and all(c == {"name": "get_time", "parameters": {}} for c in calls)
