@@ -132,12 +132,14 @@ def test_forced_choices_ask_guided_decoding_for_the_calls(engine) -> None:
         (params,) = engine.params.values()
         schema = params.structured_outputs.json
         assert schema["maxItems"] == 1 and params.structured_outputs.disable_any_whitespace
+        assert params.structured_outputs.close_within_max_tokens  # a cut call is never sent
         engine.replies = ['{"city":"Oslo"}']
         named = {"type": "function", "function": {"name": "get_weather"}}
         assert _ask(client, False, tool_choice=named) == (
             None, [("get_weather", '{"city":"Oslo"}')], "tool_calls")  # fmt: skip
         params = list(engine.params.values())[-1]
         assert params.structured_outputs.json == WEATHER["function"]["parameters"]
+        assert params.structured_outputs.close_within_max_tokens
 
 
 def test_forced_calls_describe_the_tools_where_the_template_does_not(engine) -> None:
