@@ -4,8 +4,9 @@ item 6: a server shares its CPU; losing a core should cost about what the core w
 For each server setting (`--settings`: extra `serve` flags and environment, `;`-separated),
 a real `pagedinfer serve` on the default model streams `--tokens` tokens (`ignore_eos`,
 greedy) `--streams` times in a row with 0, 1, ... `--max-busy` busy-looping processes
-(`while True: pass`) running beside it; each stream's chunk arrival gaps are its ITLs. Prints
-mean / p50 / p90 ITL and the mean's ratio to the same setting's idle figure.
+(`while True: pass`) running beside it, then idle again; each stream's chunk arrival gaps are
+its ITLs. Prints mean / p50 / p90 / max ITL and the mean's ratio to the setting's first idle
+figure.
 
     .venv/bin/python benchmarks/bench_contention.py [--max-busy 2] [--tokens 64] [--streams 3] \\
         [--settings "default;--num-threads 1;OMP_WAIT_POLICY=PASSIVE"]
@@ -70,7 +71,7 @@ def run_setting(setting: str, args: argparse.Namespace) -> list[dict]:
     try:
         stream_gaps(srv.port, 8)  # warm-up
         idle_mean = None
-        for busy in range(args.max_busy + 1):
+        for busy in [*range(args.max_busy + 1), 0]:  # idle again last: threads come back
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                     for _ in range(busy)]  # fmt: skip
             try:

@@ -15,6 +15,16 @@
   benchmark ~330 MB of free heap piled up during the prefill-heavy first steps.
   `HeapTrimmer` reads the resident set after each step (/proc/self/statm, microseconds)
   and trims when it grew by 64 MB since the last trim.
+- Intra-op threads under contention: every parallel op (torch's, oneDNN's, our kernels')
+  ends when its slowest thread does, and libgomp's threads spin between ops, so a thread
+  whose core another process takes stalls the whole step for scheduler slices at a time.
+  Measured on 2 cores (`benchmarks/bench_contention.py`), one decode stream: 17.9 ms per
+  token idle with 2 threads, 1,153 ms (64x) beside one busy process, 24.0 ms with 1 thread.
+  `ThreadGovernor` watches how long this process's threads wait for a CPU (the kernel's
+  per-thread run-queue delay) and drops a thread when they wait much, then returns to
+  the configured count once the other processes are gone (probing, with back-off).
+  Passive waiting (`OMP_WAIT_POLICY=PASSIVE`) also ends the stalls but costs 2.2x when
+  idle (38.7 ms per token), so the spin stays.
 """
 
 from __future__ import annotations
@@ -23,10 +33,13 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import statistics
+import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["configure_matmul_caches", "release_free_heap", "HeapTrimmer"]
+__all__ = ["configure_matmul_caches", "release_free_heap", "HeapTrimmer", "ThreadGovernor"]
 
 MATMUL_CACHE_CAPACITY = 16
 
@@ -103,3 +116,124 @@ def _resident_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _run_delay_s() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU, in all
+    (the second field of /proc/self/task/*/schedstat); None where the kernel does not say."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended
+    return total / 1e9
+
+
+def _others_running() -> int | None:
+    """Runnable threads of other processes right now: the system's count (/proc/loadavg)
+    less this process's threads in state R."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        ours = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                    ours += f.read().rsplit(b")", 1)[1].split()[0] == b"R"
+            except (OSError, IndexError):
+                continue
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - ours)
+
+
+MIN_BACKOFF_S = 4.0
+"""After a drop, the first blind try of one more thread comes this late (a try beside a busy
+process can cost a step of ~1 s on 2 cores); the run-queue samples may call one earlier."""
+
+
+class ThreadGovernor:
+    """Fewer intra-op threads while other processes take the cores (see the module
+    docstring). Call `after_step()` after each engine step; it acts once per `window_s`.
+
+    Per window: `wait` = the threads' run-queue delay over the window's wall time (in
+    threads' worth). Above `drop_at`, one thread fewer (down to 1). Below the configured
+    count, each step also samples how many other threads are runnable; once the median
+    sample of a window leaves a core free for one more thread, or the back-off time has
+    passed, it tries one more (the back-off doubles, up to `max_backoff_s`, each time a try
+    has to be undone)."""
+
+    def __init__(
+        self,
+        set_threads: Callable[[int], None],
+        max_threads: int,
+        window_s: float = 0.25,
+        drop_at: float = 0.25,
+        max_backoff_s: float = 64.0,
+    ) -> None:
+        self.set_threads = set_threads
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.window_s = window_s
+        self.drop_at = drop_at
+        self.max_backoff_s = max_backoff_s
+        self.backoff_s = MIN_BACKOFF_S
+        self.num_changes = 0
+        self._cores = os.cpu_count() or 1
+        self._trying = False
+        self._start: float | None = None  # the window's start: set by the first step
+        self._delay = _run_delay_s()
+        self._next_try = 0.0
+        self._free_samples: list[int] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self._delay is not None and self.max_threads > 1
+
+    def after_step(self) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._start is None:
+            self._start, self._delay = now, _run_delay_s()
+            return
+        if self.threads < self.max_threads:
+            others = _others_running()
+            if others is not None:
+                self._free_samples.append(self._cores - others - self.threads)
+        if now - self._start < self.window_s:
+            return
+        delay = _run_delay_s()
+        if delay is None or self._delay is None:
+            return
+        wait = (delay - self._delay) / (now - self._start)
+        self._start, self._delay = now, delay
+        free = self._free_samples
+        self._free_samples = []
+        if wait > self.drop_at and self.threads > 1:
+            if self._trying:  # the extra thread did not fit: wait longer before the next try
+                self.backoff_s = min(2 * self.backoff_s, self.max_backoff_s)
+            self._set(self.threads - 1, f"threads waited {wait:.2f}x the wall time for a CPU")
+            self._trying = False
+            self._next_try = now + self.backoff_s
+        elif self.threads < self.max_threads and (
+            (free and statistics.median(free) >= 1) or now >= self._next_try
+        ):
+            self._trying = True
+            self._next_try = now + self.backoff_s
+            self._set(self.threads + 1, "trying one more thread")
+        elif self._trying:
+            self._trying = False  # the try held: the next drop starts from a short back-off
+            self.backoff_s = MIN_BACKOFF_S
+
+    def _set(self, threads: int, why: str) -> None:
+        self.threads = threads
+        self.num_changes += 1
+        self.set_threads(threads)
+        logger.info("Intra-op threads: %d of %d (%s).", threads, self.max_threads, why)

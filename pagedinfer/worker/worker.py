@@ -38,7 +38,7 @@ from pagedinfer.model.loader import (
 )
 from pagedinfer.model.registry import get_model_class
 from pagedinfer.model.sharding import PROJECTIONS, TPShard, load_plan
-from pagedinfer.platform import HeapTrimmer, release_free_heap
+from pagedinfer.platform import HeapTrimmer, ThreadGovernor, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
 
@@ -119,6 +119,9 @@ class Worker:
         self.draft: tuple[ModelArchConfig, LlamaForCausalLM, AttentionBackend] | None = None
         self.load_time_s = 0.0
         self.heap_trimmer = HeapTrimmer()
+        self.thread_governor: ThreadGovernor | None = None
+        if config.model_config.adapt_threads:
+            self.thread_governor = ThreadGovernor(torch.set_num_threads, torch.get_num_threads())
 
     def load_model(self) -> ModelArchConfig:
         arch = self._load_model()
@@ -351,6 +354,8 @@ class Worker:
 
     def _after_step(self) -> None:
         self.heap_trimmer.maybe_trim()
+        if self.thread_governor is not None:
+            self.thread_governor.after_step()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None
