@@ -78,12 +78,14 @@ class ModelConfig:
     C++ build; 0 disables."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
-    adapt_threads: bool = True
+    adapt_threads: bool = False
     """Run fewer intra-op threads while other processes take this machine's cores, and go
     back up when they leave (`platform.ThreadGovernor`, Linux: read from the kernel's
     run-queue delays). Every parallel op waits for its slowest thread, so one thread that
     loses its core stalls them all: beside one busy process on 2 cores, decode went from
-    18 ms to 1.15 s per token with 2 threads, 24 ms with 1 (docs/benchmarks.md)."""
+    18 ms to 1.15 s per token with 2 threads, 21.6 ms with this on (docs/benchmarks.md).
+    Off by default until its effect on a whole test suite's and a loaded server's time is
+    measured (a CI run with it on looked slower; not yet explained)."""
     logprobs_mode: Literal[
         "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"
     ] = "raw_logprobs"

@@ -22,7 +22,8 @@
   token idle with 2 threads, 1,153 ms (64x) beside one busy process, 24.0 ms with 1 thread.
   `ThreadGovernor` watches how long this process's threads wait for a CPU (the kernel's
   per-thread run-queue delay) and drops a thread when they wait much, then returns to
-  the configured count once the other processes are gone (probing, with back-off).
+  the configured count once the other processes are gone (probing, with back-off);
+  `ModelConfig.adapt_threads`, off by default for now.
   Passive waiting (`OMP_WAIT_POLICY=PASSIVE`) also ends the stalls but costs 2.2x when
   idle (38.7 ms per token), so the spin stays.
 """
