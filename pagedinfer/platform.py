@@ -185,7 +185,6 @@ class ThreadGovernor:
         self.drop_at = drop_at
         self.max_backoff_s = max_backoff_s
         self.backoff_s = MIN_BACKOFF_S
-        self.num_changes = 0
         self._cores = os.cpu_count() or 1
         self._trying = False
         self._start: float | None = None  # the window's start: set by the first step
@@ -235,6 +234,5 @@ class ThreadGovernor:
 
     def _set(self, threads: int, why: str) -> None:
         self.threads = threads
-        self.num_changes += 1
         self.set_threads(threads)
         logger.info("Intra-op threads: %d of %d (%s).", threads, self.max_threads, why)

@@ -100,10 +100,6 @@ def allow_only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _eos_only_row(bitmask: torch.Tensor, row: int, eos: int) -> None:
-    allow_only(bitmask, row, eos)
-
-
 class MatcherGrammar(StructuredOutputGrammar):
     """A `StructuredOutputGrammar` over a library matcher, with EOS kept out of the library.
 
@@ -196,7 +192,7 @@ class MatcherGrammar(StructuredOutputGrammar):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._terminated:
-            _eos_only_row(bitmask, row, self.eos_token_id)
+            allow_only(bitmask, row, self.eos_token_id)
         else:
             self._fill(bitmask, row)
 

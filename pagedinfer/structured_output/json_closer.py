@@ -219,14 +219,13 @@ class _Closer:
 
     def close(self, text: str) -> str:
         stack: list[_Frame] = []
-        top: list[dict[str, Any]] | None = self.alternatives(self.root)  # a value is expected
+        top = self.alternatives(self.root)  # the root value's alternatives
         done = False  # the root value is complete
         i, n = 0, len(text)
 
         def value_schemas() -> list[dict[str, Any]]:
             """The alternatives for the value that starts now."""
             if not stack:
-                assert top is not None
                 return top
             frame = stack[-1]
             if frame.kind == "array":
@@ -333,7 +332,7 @@ class _Closer:
             i = j
         if done:
             return ""
-        if top is not None and not stack:
+        if not stack:  # nothing but whitespace so far
             return self.minimal_value(self.root)
         return self._close_all(stack)
 
