@@ -16,6 +16,7 @@ __all__ = [
     "block_hash_seed",
     "data_dir",
     "kernel_cflags",
+    "max_cpu_isa",
     "openai_api_key",
     "ray_address",
 ]
@@ -39,6 +40,13 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
         "the AVX2 paths on an AVX-512 machine (default: none; `-march=native` builds for "
         "this CPU). Each set of flags gets its own build in the extension cache."
     ),
+    "PAGEDINFER_MAX_CPU_ISA": (
+        "The highest instruction-set tier the C++ CPU kernels may use, as oneDNN's "
+        "`ONEDNN_MAX_CPU_ISA` caps its own: `amx`, `avx512`, `avx2` or `none` (plain C++ for "
+        "the compiler to vectorise as it can); default: the best tier the CPU reports. A cap "
+        "above the CPU's own tier changes nothing. Each tier is its own build; torch's "
+        "kernels keep their own caps (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`)."
+    ),
     "OPENAI_API_KEY": (
         "`pagedinfer bench serve`: the bearer token sent to the server when `--api-key` is "
         "not given."
@@ -54,6 +62,11 @@ def data_dir() -> str | None:
 def kernel_cflags() -> list[str]:
     """`PAGEDINFER_KERNEL_CFLAGS`, split on whitespace ([] when unset)."""
     return os.environ.get("PAGEDINFER_KERNEL_CFLAGS", "").split()
+
+
+def max_cpu_isa() -> str | None:
+    """`PAGEDINFER_MAX_CPU_ISA`, lower-cased, or None when unset or empty."""
+    return os.environ.get("PAGEDINFER_MAX_CPU_ISA", "").strip().lower() or None
 
 
 def block_hash_seed() -> str:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from pagedinfer.gguf_metadata import DEFAULT_ALIGNMENT, read_header
-from pagedinfer.model.quant import QuantBlocks
+from pagedinfer.model.quant import RAW_FORMATS, QuantBlocks, QuantMatrix, RawBlocks
 
 __all__ = [
     "GGML_TYPE_NAMES",
@@ -129,7 +129,7 @@ def _deq_q5_1(raw: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
-def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack the 12-byte field of Q4_K/Q5_K into 8 six-bit scales and 8 six-bit mins.
 
     Bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; sub-blocks 4-7 take their low
@@ -155,7 +155,7 @@ def _deq_q4_k(raw: np.ndarray) -> np.ndarray:
     # super-block of 256: f16 d, f16 dmin, 12 bytes packed scales/mins, 128 bytes nibbles;
     # sub-block k (32 values): value = d * scale_k * q - dmin * min_k
     blk = _blocks(raw, [("d", _F16), ("dmin", _F16), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
-    sc, mn = _k_scales_mins(blk["scales"])  # [num_blocks, 8] each
+    sc, mn = k_scales_mins(blk["scales"])  # [num_blocks, 8] each
     q = _k_nibbles(blk["qs"]).astype(np.float32)  # [num_blocks, 8, 32]
     q *= (blk["d"].astype(np.float32)[:, None] * sc)[:, :, None]
     q -= (blk["dmin"].astype(np.float32)[:, None] * mn)[:, :, None]
@@ -169,7 +169,7 @@ def _deq_q5_k(raw: np.ndarray) -> np.ndarray:
         [("d", _F16), ("dmin", _F16), ("scales", "u1", (12,)), ("qh", "u1", (32,)),
          ("qs", "u1", (128,))],
     )  # fmt: skip
-    sc, mn = _k_scales_mins(blk["scales"])
+    sc, mn = k_scales_mins(blk["scales"])
     shifts = np.arange(8, dtype=np.uint8)[None, :, None]
     high = (blk["qh"][:, None, :] >> shifts) & 1  # [num_blocks, 8, 32]
     q = (_k_nibbles(blk["qs"]) | (high << 4)).astype(np.float32)  # [num_blocks, 8, 32]
@@ -378,16 +378,22 @@ class GGUFFile:
         flat = dequantize(np.asarray(raw), info.ggml_type, (end - start) * cols)
         return flat.reshape(end - start, cols)
 
-    def load_quant_blocks(self, name: str) -> QuantBlocks | None:
-        """A Q4_0, Q4_1 or Q8_0 matrix as its raw codes and per-group scales (and offsets),
-        without dequantising (see `model/quant.QuantBlocks`); None for any other type."""
+    def load_quant_blocks(self, name: str) -> QuantMatrix | None:
+        """A quantised matrix without dequantising: Q4_0, Q4_1 or Q8_0 as its codes and
+        per-group scales (and offsets) (`model/quant.QuantBlocks`), Q5_0/Q4_K/Q5_K/Q6_K as
+        the file's blocks (`model/quant.RawBlocks`); None for any other type."""
         info = self.tensor_info(name)
         type_name = info.type_name
-        if type_name not in ("Q4_0", "Q4_1", "Q8_0") or len(info.shape) != 2:
+        if len(info.shape) != 2:
             return None
         rows, cols = info.shape
-        groups = cols // 32
         raw = np.asarray(self._data[info.offset : info.offset + info.num_bytes])
+        if type_name in RAW_FORMATS:
+            fmt = RAW_FORMATS[type_name]
+            return RawBlocks(type_name, raw.reshape(rows, cols // fmt.block_size, fmt.type_size))
+        if type_name not in ("Q4_0", "Q4_1", "Q8_0"):
+            return None
+        groups = cols // 32
         if type_name == "Q8_0":
             blk = _blocks(raw, [("d", _F16), ("qs", "i1", (32,))])
             return QuantBlocks(

@@ -1,11 +1,11 @@
 """A linear layer (optionally with a bias) with a quantised fast path for small steps.
 
 Decode of a small batch is bound by reading the weights: 269 MB per token in bf16, 538 MB
-in fp32. A GGUF file already stores the matrices as 4- or 8-bit codes with one scale (and
-offset) per group of 32 inputs, so steps with few rows multiply by the file's own blocks
-(`model/quant.QuantizedWeight`, C++ kernels in `kernels/csrc/quant_linear_cpu.cpp`),
-reading ~4.5-8.5 bits per weight; the dense matrix (the same values, dequantised) serves
-larger steps, where a dense GEMM is compute-bound and faster.
+in fp32. A GGUF file already stores the matrices as 4- to 8-bit codes with scales per group
+of inputs, so steps with few rows multiply by the file's own blocks
+(`model/quant.QuantizedWeight`, C++ kernels in `kernels/csrc/quant_linear_cpu.cpp` and
+`kquant_linear_cpu.cpp`), reading ~4.5-8.5 bits per weight; the dense matrix (the same
+values, dequantised) serves larger steps, where a dense GEMM is compute-bound and faster.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedinfer.model.quant import QuantizedWeight
+from pagedinfer.model.quant import QuantizedParts, QuantizedWeight
 
 __all__ = ["Linear"]
 
@@ -28,10 +28,10 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-        self.quant: QuantizedWeight | None = None
+        self.quant: QuantizedWeight | QuantizedParts | None = None
         self.quant_max_rows = 0
 
-    def set_quant(self, quant: QuantizedWeight, max_rows: int) -> None:
+    def set_quant(self, quant: QuantizedWeight | QuantizedParts, max_rows: int) -> None:
         """Use `quant` (the same matrix, quantised) for inputs of <= max_rows rows."""
         if (quant.out_features, quant.in_features) != (self.out_features, self.in_features):
             raise ValueError(

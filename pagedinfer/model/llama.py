@@ -53,7 +53,7 @@ from pagedinfer.model.weights import install_quantized, install_weights
 
 if TYPE_CHECKING:
     from pagedinfer.model.arch_config import ModelArchConfig
-    from pagedinfer.model.quant import QuantBlocks, QuantizedWeight
+    from pagedinfer.model.quant import QuantizedWeight, QuantMatrix
 
 __all__ = ["ACTIVATIONS", "LlamaForCausalLM"]
 
@@ -463,7 +463,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_quantized(
         self,
-        blocks: dict[str, QuantBlocks],
+        blocks: dict[str, QuantMatrix],
         kernels: Any,
         max_rows: int,
         quantize_lm_head: bool,

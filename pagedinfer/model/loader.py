@@ -49,7 +49,7 @@ from pagedinfer.model.registry import architecture_features, gguf_architecture
 from pagedinfer.model.weights import fused_parts, gguf_to_hf_name
 
 if TYPE_CHECKING:
-    from pagedinfer.model.quant import QuantBlocks
+    from pagedinfer.model.quant import QuantMatrix
     from pagedinfer.model.sharding import RowPlan, WeightFilter
 
 __all__ = [
@@ -381,15 +381,16 @@ def load_quant_blocks(
     path: str | os.PathLike[str] | None,
     config: ModelArchConfig,
     wanted: WeightFilter | None = None,
-) -> dict[str, QuantBlocks]:
-    """HF-named raw blocks of every Q4_0/Q4_1/Q8_0 GGUF matrix (`GGUFFile.load_quant_blocks`),
+) -> dict[str, QuantMatrix]:
+    """HF-named blocks of every quantised GGUF matrix the kernels take (Q4_0/Q4_1/Q8_0,
+    Q5_0/Q4_K/Q5_K/Q6_K: `GGUFFile.load_quant_blocks`),
     with llama.cpp's Q/K row permutation undone like the dense weights. Empty for HF
     directories and for GGUF files without such tensors."""
     resolved = _resolve(path)
     if not _is_gguf(resolved):
         return {}
     gguf = GGUFFile(resolved)
-    out: dict[str, QuantBlocks] = {}
+    out: dict[str, QuantMatrix] = {}
     for name in gguf.tensor_names:
         if name in _CONFIG_TENSORS:
             continue

@@ -30,7 +30,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedinfer.model.quant import GROUP_SIZE, QuantBlocks, QuantizedWeight, quantize_q8_0
+from pagedinfer.model.quant import (
+    GROUP_SIZE,
+    QuantizedParts,
+    QuantizedWeight,
+    QuantMatrix,
+    concat_blocks,
+    quantize_q8_0,
+)
 from pagedinfer.model.sharding import PROJECTIONS, keep_part, shard_ranges, vocab_slice
 
 if TYPE_CHECKING:
@@ -189,7 +196,7 @@ def install_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]
 
 def install_quantized(
     model: LlamaForCausalLM,
-    blocks: dict[str, QuantBlocks],
+    blocks: dict[str, QuantMatrix],
     kernels: Any,
     max_rows: int,
     quantize_lm_head: bool,
@@ -208,18 +215,25 @@ def install_quantized(
             if not all(n in blocks for n in names):
                 continue
             pieces = []
-            for name, part in zip(names, parts):
-                b = blocks[name]
-                if sharded and part.rows is not None:
-                    b = b.take_rows(row_ids[part.rows])
-                if sharded and part.cols is not None:
-                    b = b.take_cols(*ranges[part.cols])
-                pieces.append(b)
-            joined = QuantBlocks.concat(pieces)
-            if joined is not None:
-                quant = QuantizedWeight(joined, kernels)
-                layer.get_submodule(target).set_quant(quant, max_rows)
-                count += 1
+            try:
+                for name, part in zip(names, parts):
+                    b = blocks[name]
+                    if sharded and part.rows is not None:
+                        b = b.take_rows(row_ids[part.rows])
+                    if sharded and part.cols is not None:
+                        b = b.take_cols(*ranges[part.cols])
+                    pieces.append(b)
+            except ValueError:  # a shard boundary inside a file block: this one runs dense
+                continue
+            joined = concat_blocks(pieces)
+            # Parts in different formats (Gemma 3's Q5_0 q/k and Q8_0 v): one kernel each.
+            quant: QuantizedWeight | QuantizedParts = (
+                QuantizedWeight(joined, kernels)
+                if joined is not None
+                else QuantizedParts([QuantizedWeight(b, kernels) for b in pieces])
+            )
+            layer.get_submodule(target).set_quant(quant, max_rows)
+            count += 1
     if not model.pp.is_last_rank:
         return count
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"

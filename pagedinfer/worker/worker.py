@@ -204,9 +204,8 @@ class Worker:
                 # Say it: the file is quantised, but these matrices are not run that way.
                 logger.info(
                     "%d of the model's matrices run dense (dequantised to %s) at every batch "
-                    "size: the quantised kernels take Q4_0, Q4_1 and Q8_0 blocks, and a fused "
-                    "projection only when its parts share one format (matrix types in this "
-                    "file: %s).",
+                    "size: the quantised kernels take Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and "
+                    "Q6_K blocks (matrix types in this file: %s).",
                     dense,
                     str(self.dtype).removeprefix("torch."),
                     ", ".join(f"{kind} x{n}" for kind, n in types),

@@ -14,6 +14,9 @@ void rotary_embedding(torch::Tensor x, torch::Tensor positions, torch::Tensor co
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
                            int64_t out_features);
 bool quant_linear_uses_int8_activations();
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
+                            int64_t out_features);
+int64_t kquant_record_bytes(int64_t format);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool prefill_attention_available();
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
@@ -33,6 +36,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T, W in packed Q4/Q8 blocks (model/quant.py)");
   m.def("quant_linear_uses_int8_activations", &quant_linear_uses_int8_activations,
         "Whether 16-bit activations are quantised to int8 (AVX512-VNNI) in quant_linear");
+  m.def("kquant_linear", &kquant_linear,
+        "x @ W.T, W in packed Q5_0/Q4_K/Q5_K/Q6_K planes (model/quant.py); format: GGUF type id");
+  m.def("kquant_record_bytes", &kquant_record_bytes,
+        "Bytes of one (16 features, super-block) record of a K-quant format");
   m.def("prefill_attention_available", &prefill_attention_available,
         "Whether paged_prefill_attention can run here (AMX-BF16 built in and permitted)");
   m.def("paged_prefill_attention", &paged_prefill_attention,

@@ -41,15 +41,10 @@
 #include <immintrin.h>
 #endif
 
+#include "quant_common.h"
 #include "vec.h"
 
 namespace {
-
-using pagedinfer::kVec;
-#if defined(__AVX512F__)
-using pagedinfer::load16;
-using pagedinfer::store16;
-#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kHasVnni = true;
@@ -57,10 +52,14 @@ constexpr bool kHasVnni = true;
 constexpr bool kHasVnni = false;
 #endif
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kLanes = 16;          // output features per block
-constexpr int kMaxRows = 8;             // activation rows sharing one pass over the weights
-                                        // (a verify step of k <= 7 drafts is one pass)
+using pagedinfer::quant::Activations;
+using pagedinfer::quant::kGroup;
+using pagedinfer::quant::kLanes;
+using pagedinfer::quant::prepare_activations;
+using pagedinfer::quant::check_activations;
+using pagedinfer::quant::kMaxRows;
+using pagedinfer::quant::run_blocks;
+
 constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance in the weight stream
                                           // (measured on 30 layers' weights: ~20 -> ~30 GB/s;
                                           // from DRAM 12 -> 14 GB/s)
@@ -88,17 +87,6 @@ inline int64_t record_bytes(Format f) {
   return f == Format::kQ4 ? Record<Format::kQ4>::kBytes : Record<Format::kQ8>::kBytes;
 }
 
-// Activations of one call, prepared once: float32 copy and per-group sums; for the VNNI
-// path also int8 codes, their per-group scales and per-group code sums.
-struct Activations {
-  int64_t K = 0, G = 0;
-  const float* xf = nullptr;       // [rows, K]
-  const float* xsum = nullptr;     // [rows, G]
-  const int8_t* xq = nullptr;      // [rows, K]
-  const float* xscale = nullptr;   // [rows, G]
-  const int32_t* xqsum = nullptr;  // [rows, G]
-};
-
 #if defined(__AVX512F__)
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -118,20 +106,6 @@ inline F8 load_half8(const uint16_t* p) {
 #endif
 }
 #endif
-
-// out[0:width] = lanes[0:width], rounded to Out.
-template <typename Out>
-inline void store_lanes(Out* out, const float* lanes, int64_t width) {
-#if defined(__AVX512F__)
-  if constexpr (kVec<Out>) {
-    if (width == kLanes) {
-      store16(out, _mm512_loadu_ps(lanes));
-      return;
-    }
-  }
-#endif
-  for (int64_t i = 0; i < width; ++i) out[i] = static_cast<Out>(lanes[i]);
-}
 
 // --- float32 products (exact codes, float32 sums) ----------------------------------------
 
@@ -302,101 +276,30 @@ void block(int R, const Activations& a, int64_t r0, const uint8_t* recs, float (
 #undef PAGEDINFER_BLOCK
 }
 
-template <typename T>
-void widen(const T* x, int64_t n, float* xf) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (kVec<T>) {
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(xf + i, load16(x + i));
-  }
-#endif
-  for (; i < n; ++i) xf[i] = static_cast<float>(x[i]);
-}
-
-// Per group of 32: the float sum; with xq, also int8 codes (scale = max |x| / 127, round
-// to nearest even) and their sum.
-void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int8_t* xq, float* xscale,
-                    int32_t* xqsum) {
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const float* x = xf + g * kGroup;
-    float total = 0.f, amax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      total += x[j];
-      amax = std::max(amax, std::fabs(x[j]));
-    }
-    xsum[g] = total;
-    if (xq == nullptr) continue;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t codes = 0;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(x[j] * inv));
-      xq[g * kGroup + j] = static_cast<int8_t>(q);  // |q| <= 127 by construction
-      codes += q;
-    }
-    xscale[g] = amax / 127.f;
-    xqsum[g] = codes;
-  }
-}
-
 torch::Tensor run_quant_linear(const torch::Tensor& x, const torch::Tensor& packed, Format format,
                                int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                  x.scalar_type() == at::kHalf,
-              "x must be float32, bfloat16 or float16");
-  const int64_t rows = x.size(0), K = x.size(1);
+  check_activations(x);
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, "in_features must be a multiple of 32");
   const int64_t G = K / kGroup, rec_bytes = record_bytes(format);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(1) == G && packed.size(2) == rec_bytes,
               "packed weights must be contiguous uint8 [blocks, in / 32, ", rec_bytes, "]");
-  const int64_t blocks = packed.size(0);
-  TORCH_CHECK(out_features > (blocks - 1) * kLanes && out_features <= blocks * kLanes,
-              "out_features does not match the packed blocks");
-
   // One scratch buffer for the prepared activations (a few KB at decode sizes).
   const bool vnni = kHasVnni && x.scalar_type() != at::kFloat;
-  const int64_t floats = rows * K + rows * G + (vnni ? rows * G + rows * G + rows * K / 4 : 0);
-  std::vector<float> scratch(static_cast<size_t>(floats));
-  Activations a;
-  a.K = K, a.G = G;
-  float* xf = scratch.data();
-  float* xsum = xf + rows * K;
-  float* xscale = xsum + rows * G;
-  int32_t* xqsum = reinterpret_cast<int32_t*>(xscale + rows * G);
-  int8_t* xq = reinterpret_cast<int8_t*>(xqsum + rows * G);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear_prepare", [&] {
-    widen(x.data_ptr<scalar_t>(), rows * K, xf);
-  });
-  prepare_groups(xf, rows * G, xsum, vnni ? xq : nullptr, xscale, xqsum);
-  a.xf = xf, a.xsum = xsum;
-  if (vnni) a.xq = xq, a.xscale = xscale, a.xqsum = xqsum;
-
-  auto out = torch::empty({rows, out_features}, x.options());
+  std::vector<float> scratch;
+  const Activations a = prepare_activations(x, vnni, scratch);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
-    scalar_t* outp = out.data_ptr<scalar_t>();
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      float acc[kMaxRows][kLanes];
-      for (int64_t b = begin; b < end; ++b) {
-        const uint8_t* recs = pp + b * G * rec_bytes;
-        const int64_t n0 = b * kLanes, width = std::min(kLanes, out_features - n0);
-        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-          if (format == Format::kQ4) {
-            if (vnni) block<Format::kQ4, true>(R, a, r0, recs, acc);
-            else block<Format::kQ4, false>(R, a, r0, recs, acc);
-          } else {
-            if (vnni) block<Format::kQ8, true>(R, a, r0, recs, acc);
-            else block<Format::kQ8, false>(R, a, r0, recs, acc);
-          }
-          for (int r = 0; r < R; ++r)
-            store_lanes(outp + (r0 + r) * out_features + n0, acc[r], width);
-        }
-      }
-    });
+  return run_blocks(x, packed.size(0), out_features, [&](int R, int64_t r0, int64_t b, float (*acc)[kLanes]) {
+    const uint8_t* recs = pp + b * G * rec_bytes;
+    if (format == Format::kQ4) {
+      if (vnni) block<Format::kQ4, true>(R, a, r0, recs, acc);
+      else block<Format::kQ4, false>(R, a, r0, recs, acc);
+    } else {
+      if (vnni) block<Format::kQ8, true>(R, a, r0, recs, acc);
+      else block<Format::kQ8, false>(R, a, r0, recs, acc);
+    }
   });
-  return out;
 }
 
 }  // namespace

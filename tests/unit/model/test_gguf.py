@@ -243,7 +243,7 @@ def test_q4_1_matrix_rows_from_file(tmp_path: Path) -> None:
             np.testing.assert_array_equal(out[r, 32 * b : 32 * b + 32], (r + 1) * Q_EXPECTED + b)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q5_1", "Q8_0"])
 def test_matches_gguf_package_on_random_blocks(type_name: str) -> None:
     gguf = pytest.importorskip("gguf", reason="gguf package is the oracle for K-quants")
     qtype = gguf.GGMLQuantizationType[type_name]

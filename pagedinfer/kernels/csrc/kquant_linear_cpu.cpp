@@ -1,0 +1,248 @@
+// Weight-only quantised linear layers for steps with few rows, on the GGUF formats with 5-
+// or 6-bit codes or 256-input super-blocks: Q5_0, Q4_K, Q5_K and Q6_K (with Q8_0, what a
+// Q4_K_M file holds; quant_linear_cpu.cpp has Q4_0/Q4_1/Q8_0).
+//
+// Every one of them is, per sub-block s of kSub inputs,
+//     w = a_s * (q - kZero) - m_s,   q an unsigned kBits-bit code,
+// with a_s = d * sc_s (d float16 per super-block of kSuper inputs, sc_s the sub-block's
+// 6-bit (Q4_K, Q5_K) or int8 (Q6_K) scale; Q5_0: a = d) and m_s = dmin * mn_s (Q4_K, Q5_K
+// only). The kernel multiplies exact codes by float32 activations with float32 sums and
+// applies a_s and m_s once per sub-block, so float32 models equal the dense product up to
+// summation order (greedy parity with the dequantised weights).
+//
+// Packed layout ("planes", written by model/quant.py): output features padded to 16, one
+// record per (block of 16 features, super-block), in this order:
+// - kSuper / 8 low vectors of 64 bytes: lane i's int32 word w holds the low 4 bits of
+//   codes 8w..8w+7 of feature 16b+i (code 8w+k in bits 4k..4k+3);
+// - high bits (5-bit: kSuper / 32 vectors, word w holds bit 4 of codes 32w..32w+31 in
+//   bits 0..31; 6-bit: kSuper / 16 vectors, word w holds bits 4-5 of codes 16w..16w+15,
+//   code 16w+k in bits 2k..2k+1);
+// - d as float16 [16]; dmin as float16 [16] (formats with mins);
+// - the sub-block scales as bytes [sub-blocks, 16]; then the mins likewise.
+// That is 4.625 / 5.625 / 6.5625 / 5.5 bits per weight (Q4_K / Q5_K / Q6_K / Q5_0): the
+// file's own size, give or take the scales' layout.
+//
+// One source for every x86 tier and ARM: gcc vector types of kW float lanes (16 with
+// AVX-512: one zmm; 8 otherwise: one ymm with AVX2, two q registers with NEON, scalar code
+// elsewhere), a block's 16 lanes in 16 / kW passes over its record.
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "quant_common.h"
+
+namespace {
+
+using pagedinfer::quant::Activations;
+using pagedinfer::quant::kGroup;
+using pagedinfer::quant::kLanes;
+using pagedinfer::quant::prepare_activations;
+using pagedinfer::quant::check_activations;
+using pagedinfer::quant::kMaxRows;
+using pagedinfer::quant::run_blocks;
+
+constexpr int64_t kPrefetchBytes = 8192;
+
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+constexpr int kPasses = kLanes / kW;
+typedef float VF __attribute__((vector_size(kW * 4)));
+typedef int32_t VI __attribute__((vector_size(kW * 4)));
+typedef uint32_t VU __attribute__((vector_size(kW * 4)));
+typedef uint8_t VB __attribute__((vector_size(kW)));
+typedef int8_t VS __attribute__((vector_size(kW)));
+
+// The formats (GGUF type ids 6, 12, 13, 14).
+struct FmtQ5_0 {
+  static constexpr int kSuper = 32, kSub = 32, kBits = 5, kZero = 16;
+  static constexpr bool kMins = false, kSubScales = false, kSignedScales = false;
+};
+struct FmtQ4_K {
+  static constexpr int kSuper = 256, kSub = 32, kBits = 4, kZero = 0;
+  static constexpr bool kMins = true, kSubScales = true, kSignedScales = false;
+};
+struct FmtQ5_K {
+  static constexpr int kSuper = 256, kSub = 32, kBits = 5, kZero = 0;
+  static constexpr bool kMins = true, kSubScales = true, kSignedScales = false;
+};
+struct FmtQ6_K {
+  static constexpr int kSuper = 256, kSub = 16, kBits = 6, kZero = 32;
+  static constexpr bool kMins = false, kSubScales = true, kSignedScales = true;
+};
+
+// Byte offsets inside one record (see the layout above).
+template <class F>
+struct Layout {
+  static constexpr int64_t kLow = F::kSuper / 8;  // low-nibble vectors
+  static constexpr int64_t kHigh = F::kBits == 4 ? 0 : F::kBits == 5 ? F::kSuper / 32 : F::kSuper / 16;
+  static constexpr int64_t kNumSub = F::kSuper / F::kSub;
+  static constexpr int64_t kD = (kLow + kHigh) * 64;
+  static constexpr int64_t kDmin = kD + 32;
+  static constexpr int64_t kSc = kD + (F::kMins ? 64 : 32);
+  static constexpr int64_t kMn = kSc + (F::kSubScales ? kNumSub * 16 : 0);
+  static constexpr int64_t kBytes = kMn + (F::kMins ? kNumSub * 16 : 0);
+};
+
+template <typename V>
+inline V load(const uint8_t* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// kW float16 values -> float32.
+inline VF load_half(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<VF>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<VF>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  VF out;
+  for (int i = 0; i < kW; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, p + 2 * i, 2);
+    out[i] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+  return out;
+#endif
+}
+
+// kW sub-block scales (bytes) -> float32.
+template <bool Signed>
+inline VF load_scales(const uint8_t* p) {
+  if constexpr (Signed) return __builtin_convertvector(load<VS>(p), VF);
+  else return __builtin_convertvector(load<VB>(p), VF);
+}
+
+// acc[r][i] = row r0 + r of the activations times feature i of this block, all super-blocks.
+template <class F, int R>
+void block(const Activations& a, int64_t r0, const uint8_t* recs, float (*acc)[kLanes]) {
+  using L = Layout<F>;
+  // AVX2 has 16 vector registers: up to 4 rows keep two chains each to hide the FMA
+  // latency; more rows share one.
+  constexpr bool kTwoChains = R <= 4;
+  const int64_t K = a.K, G = a.G, num_super = K / F::kSuper;
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kLanes; ++i) acc[r][i] = 0.f;
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* rec = recs + sb * L::kBytes;
+    for (int64_t l = 0; l < L::kBytes; l += 64) __builtin_prefetch(rec + kPrefetchBytes + l, 0, 3);
+    for (int p = 0; p < kPasses; ++p) {
+      const int64_t lane = p * kW * 4;  // this pass's bytes in a 64-byte code vector
+      const VF d = load_half(rec + L::kD + p * kW * 2);
+      VF dmin{};
+      if constexpr (F::kMins) dmin = load_half(rec + L::kDmin + p * kW * 2);
+      for (int64_t s = 0; s < L::kNumSub; ++s) {
+        VF t0[R], t1[R];
+        for (int r = 0; r < R; ++r) t0[r] = t1[r] = VF{};
+#pragma GCC unroll 4
+        for (int64_t m = 0; m < F::kSub / 8; ++m) {
+          const int64_t w = s * (F::kSub / 8) + m;  // codes 8w..8w+7 of the super-block
+          const VU lo = load<VU>(rec + w * 64 + lane);
+          VU hi{};
+          if constexpr (F::kBits == 5)
+            hi = load<VU>(rec + (L::kLow + w / 4) * 64 + lane) >> (8 * (w % 4));
+          else if constexpr (F::kBits == 6)
+            hi = load<VU>(rec + (L::kLow + w / 2) * 64 + lane) >> (16 * (w % 2));
+          const int64_t x0 = sb * F::kSuper + 8 * w;
+#pragma GCC unroll 8
+          for (int k = 0; k < 8; ++k) {
+            VU q = (lo >> (4 * k)) & 15u;
+            if constexpr (F::kBits == 5) q |= ((hi >> k) & 1u) << 4;
+            else if constexpr (F::kBits == 6) q |= ((hi >> (2 * k)) & 3u) << 4;
+            VI c = reinterpret_cast<VI>(q);
+            if constexpr (F::kZero != 0) c -= F::kZero;
+            const VF f = __builtin_convertvector(c, VF);
+            for (int r = 0; r < R; ++r) {
+              const float xv = a.xf[(r0 + r) * K + x0 + k];
+              if (kTwoChains && (k & 1)) t1[r] += f * xv;
+              else t0[r] += f * xv;
+            }
+          }
+        }
+        VF scale = d;
+        if constexpr (F::kSubScales)
+          scale = d * load_scales<F::kSignedScales>(rec + L::kSc + s * 16 + p * kW);
+        VF min{};
+        if constexpr (F::kMins) min = dmin * load_scales<false>(rec + L::kMn + s * 16 + p * kW);
+        const int64_t g = (sb * F::kSuper + s * F::kSub) / kGroup;
+        for (int r = 0; r < R; ++r) {
+          VF total;
+          std::memcpy(&total, acc[r] + p * kW, sizeof total);
+          total += scale * (t0[r] + t1[r]);
+          if constexpr (F::kMins) total -= min * a.xsum[(r0 + r) * G + g];
+          std::memcpy(acc[r] + p * kW, &total, sizeof total);
+        }
+      }
+    }
+  }
+}
+
+template <class F>
+void block_rows(int R, const Activations& a, int64_t r0, const uint8_t* recs, float (*acc)[kLanes]) {
+  switch (R) {
+    case 1: return block<F, 1>(a, r0, recs, acc);
+    case 2: return block<F, 2>(a, r0, recs, acc);
+    case 3: return block<F, 3>(a, r0, recs, acc);
+    case 4: return block<F, 4>(a, r0, recs, acc);
+    case 5: return block<F, 5>(a, r0, recs, acc);
+    case 6: return block<F, 6>(a, r0, recs, acc);
+    case 7: return block<F, 7>(a, r0, recs, acc);
+    default: return block<F, 8>(a, r0, recs, acc);
+  }
+}
+
+template <class F>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
+  using L = Layout<F>;
+  check_activations(x);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % F::kSuper == 0, "in_features must be a multiple of ", F::kSuper);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) == K / F::kSuper && packed.size(2) == L::kBytes,
+              "packed weights must be contiguous uint8 [blocks, in / ", F::kSuper, ", ",
+              L::kBytes, "]");
+  std::vector<float> scratch;
+  const Activations a = prepare_activations(x, /*int8=*/false, scratch);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t block_bytes = (K / F::kSuper) * L::kBytes;
+  return run_blocks(x, packed.size(0), out_features, [&](int R, int64_t r0, int64_t b, float (*acc)[kLanes]) {
+    block_rows<F>(R, a, r0, pp + b * block_bytes, acc);
+  });
+}
+
+}  // namespace
+
+// y = x @ W.T with W packed by model/quant.py in the "planes" layout above; format is the
+// GGUF type id: 6 (Q5_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K).
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
+                            int64_t out_features) {
+  switch (format) {
+    case 6: return run<FmtQ5_0>(x, packed, out_features);
+    case 12: return run<FmtQ4_K>(x, packed, out_features);
+    case 13: return run<FmtQ5_K>(x, packed, out_features);
+    case 14: return run<FmtQ6_K>(x, packed, out_features);
+    default: TORCH_CHECK(false, "unknown K-quant format ", format, " (6, 12, 13 or 14)");
+  }
+}
+
+// Record bytes of one (16 features, super-block) record of a format (for the packer's check).
+int64_t kquant_record_bytes(int64_t format) {
+  switch (format) {
+    case 6: return Layout<FmtQ5_0>::kBytes;
+    case 12: return Layout<FmtQ4_K>::kBytes;
+    case 13: return Layout<FmtQ5_K>::kBytes;
+    case 14: return Layout<FmtQ6_K>::kBytes;
+    default: TORCH_CHECK(false, "unknown K-quant format ", format, " (6, 12, 13 or 14)");
+  }
+}

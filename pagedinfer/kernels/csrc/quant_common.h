@@ -1,0 +1,138 @@
+// What the quantised-linear kernels share (quant_linear_cpu.cpp: Q4/Q8 records,
+// kquant_linear_cpu.cpp: Q5_0 and the K-quants): the activations of one call, prepared
+// once, and the rounding store of a block's 16 output lanes.
+#pragma once
+
+#include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "vec.h"
+
+namespace pagedinfer::quant {
+
+constexpr int64_t kGroup = 32;  // inputs per activation group (sums, int8 scales)
+constexpr int64_t kLanes = 16;  // output features per packed block
+constexpr int kMaxRows = 8;     // activation rows sharing one pass over the weights
+                                // (a verify step of k <= 7 drafts is one pass)
+
+// Activations of one call: float32 copy and per-group sums; for the VNNI path also int8
+// codes, their per-group scales and per-group code sums.
+struct Activations {
+  int64_t K = 0, G = 0;
+  const float* xf = nullptr;       // [rows, K]
+  const float* xsum = nullptr;     // [rows, G]
+  const int8_t* xq = nullptr;      // [rows, K]
+  const float* xscale = nullptr;   // [rows, G]
+  const int32_t* xqsum = nullptr;  // [rows, G]
+};
+
+template <typename T>
+void widen(const T* x, int64_t n, float* xf) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVec<T>) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(xf + i, load16(x + i));
+  }
+#endif
+  for (; i < n; ++i) xf[i] = static_cast<float>(x[i]);
+}
+
+// Per group of 32: the float sum; with xq, also int8 codes (scale = max |x| / 127, round
+// to nearest even) and their sum.
+inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int8_t* xq,
+                           float* xscale, int32_t* xqsum) {
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const float* x = xf + g * kGroup;
+    float total = 0.f, amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      total += x[j];
+      amax = std::max(amax, std::fabs(x[j]));
+    }
+    xsum[g] = total;
+    if (xq == nullptr) continue;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t codes = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(x[j] * inv));
+      xq[g * kGroup + j] = static_cast<int8_t>(q);  // |q| <= 127 by construction
+      codes += q;
+    }
+    xscale[g] = amax / 127.f;
+    xqsum[g] = codes;
+  }
+}
+
+// x [rows, K] (float32/bfloat16/float16, contiguous) prepared into `scratch`; with
+// `int8`, the int8 codes too. The returned view points into `scratch`.
+inline Activations prepare_activations(const torch::Tensor& x, bool int8, std::vector<float>& scratch) {
+  const int64_t rows = x.size(0), K = x.size(1), G = K / kGroup;
+  scratch.resize(static_cast<size_t>(rows * K + rows * G + (int8 ? 2 * rows * G + rows * K / 4 : 0)));
+  float* xf = scratch.data();
+  float* xsum = xf + rows * K;
+  float* xscale = xsum + rows * G;
+  int32_t* xqsum = reinterpret_cast<int32_t*>(xscale + rows * G);
+  int8_t* xq = reinterpret_cast<int8_t*>(xqsum + rows * G);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_prepare", [&] {
+    widen(x.data_ptr<scalar_t>(), rows * K, xf);
+  });
+  prepare_groups(xf, rows * G, xsum, int8 ? xq : nullptr, xscale, xqsum);
+  Activations a;
+  a.K = K, a.G = G, a.xf = xf, a.xsum = xsum;
+  if (int8) a.xq = xq, a.xscale = xscale, a.xqsum = xqsum;
+  return a;
+}
+
+// out[0:width] = lanes[0:width], rounded to Out.
+template <typename Out>
+inline void store_lanes(Out* out, const float* lanes, int64_t width) {
+#if defined(__AVX512F__)
+  if constexpr (kVec<Out>) {
+    if (width == kLanes) {
+      store16(out, _mm512_loadu_ps(lanes));
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < width; ++i) out[i] = static_cast<Out>(lanes[i]);
+}
+
+inline void check_activations(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
+}
+
+// out [rows, out_features] in x's dtype, parallel over the packed blocks of 16 features:
+// block_fn(R, r0, b, acc) fills acc[0:R][0:16] with rows r0..r0+R-1 times block b's features.
+template <typename BlockFn>
+torch::Tensor run_blocks(const torch::Tensor& x, int64_t blocks, int64_t out_features,
+                         const BlockFn& block_fn) {
+  TORCH_CHECK(out_features > (blocks - 1) * kLanes && out_features <= blocks * kLanes,
+              "out_features does not match the packed blocks");
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows, out_features}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_store", [&] {
+    scalar_t* outp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      float acc[kMaxRows][kLanes];
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kLanes, width = std::min(kLanes, out_features - n0);
+        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+          block_fn(R, r0, b, acc);
+          for (int r = 0; r < R; ++r)
+            store_lanes(outp + (r0 + r) * out_features + n0, acc[r], width);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace pagedinfer::quant
