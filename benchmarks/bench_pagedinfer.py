@@ -30,6 +30,7 @@ def _rss_mb() -> float:
 
 def main() -> None:
     parser = base_parser("pagedinfer offline benchmark")
+    parser.add_argument("--model", default=None, help="model path or name (default: SmolLM2)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -46,6 +47,7 @@ def main() -> None:
     rss_before = _rss_mb()
     start = time.perf_counter()
     llm = LLM(
+        args.model,
         log_stats_interval_s=0,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
@@ -88,6 +90,7 @@ def main() -> None:
 
     result = {
         "engine": "pagedinfer",
+        "model": os.path.basename(worker.config.model_config.model or "default"),
         "dtype": str(worker.dtype).removeprefix("torch."),
         "threads": args.threads,
         "load_s": round(load_s, 2),

@@ -5,12 +5,18 @@
 // query [num_reqs, num_heads, head_dim]; block_table [num_reqs, max_blocks] int32;
 // seq_lens [num_reqs] int32. Returns [num_reqs, num_heads, head_dim] in the query's dtype.
 //
-// Work is split over (request, kv head) pairs; each pair handles its group of query heads
-// (GQA) so every K/V row is read once for the whole group. Two passes over the context:
-// scores = q.k for every position (float32), a softmax per head, then out = sum p * v.
-// Blocks are walked in order (no division per token) and, where the CPU has AVX-512, each
-// K/V row is widened to float32 in registers (16 lanes at a time) -- the loop is bound by
-// reading the cache, so the row is loaded once and used by every head of the group.
+// Work items are (request, part of the context, kv head); each handles its group of query
+// heads (GQA) so every K/V row is read once for the whole group. When there are fewer
+// requests than kItemsPerThread per thread (small batches, long contexts), each context is
+// split into parts of >= kMinPart positions so every core has work; each
+// part leaves its running max, its sum of e^(s - max) and its unnormalised weighted sum of
+// V, and a second pass combines the parts (as flash-decoding does). Within an item, two
+// passes over its positions: scores = q.k (float32), e^(s - max) and their sum, then
+// acc = sum p * v. Blocks are walked in order (no division per token) and each K/V row is
+// widened to float32 in registers once for every head of the group: 16 lanes with AVX-512
+// (intrinsics), 8 lanes elsewhere (gcc vector types: AVX2 ymm, NEON pairs), plain loops
+// for other head sizes. The blocks lie anywhere in the cache, so while one is read the
+// next one's rows are prefetched (the hardware prefetcher cannot guess them).
 //
 // Two per-layer options (Mistral, Phi-3, Gemma 2/3):
 // - sliding_window w > 0: the query at p = seq_len - 1 sees only positions j with
@@ -24,11 +30,16 @@
 #include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "vec.h"
 
@@ -40,6 +51,11 @@ using pagedinfer::load16;
 using pagedinfer::tanh16;
 #endif
 
+constexpr int64_t kItemsPerThread = 4;  // below this many requests per thread, contexts
+                                        // are split into parts
+constexpr int64_t kMinPart = 128;       // positions per part at least (the combine step
+                                        // costs about one position's work per part)
+
 // The positions one (request, kv head) pair attends to: [first, first + count) of the
 // request's context, found through its block table. Scores are indexed from first, so the
 // score of position first + t is at t (per head: scores[g * count + t]).
@@ -47,6 +63,18 @@ struct Span {
   const int32_t* table;
   int64_t first, count;
   int64_t block_size, row_stride, block_stride;
+  int64_t row_bytes;  // one kv head's row: head_dim values
+
+  // Asks for the rows of block b + 1 (if the span reaches it) while block b is read: the
+  // blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one.
+  template <typename scalar_t>
+  void prefetch_next(const scalar_t* cache, int64_t b) const {
+    if ((b + 1) * block_size >= first + count) return;
+    const char* next = reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b + 1]) * block_stride);
+    for (int64_t i = 0; i < block_size; ++i)
+      for (int64_t l = 0; l < row_bytes; l += 64)
+        __builtin_prefetch(next + i * row_stride * static_cast<int64_t>(sizeof(scalar_t)) + l, 0, 1);
+  }
 };
 
 // Calls row(t, ptr) for the span's positions first + t, t < count, of one kv head, walking
@@ -57,6 +85,7 @@ void for_each_position(const scalar_t* cache, const Span& span, F row) {
   const int64_t block_size = span.block_size, row_stride = span.row_stride;
   int64_t b = span.first / block_size, off = span.first % block_size;
   for (int64_t t = 0; t < span.count; ++b, off = 0) {
+    span.prefetch_next(cache, b);
     const int64_t n = std::min(block_size - off, span.count - t);
     const scalar_t* base = cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * row_stride;
     for (int64_t i = 0; i < n; ++i) row(t + i, base + i * row_stride);
@@ -139,6 +168,7 @@ void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache, con
   const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
   int64_t b = span.first / block_size, first_off = span.first % block_size;
   for (int64_t t = 0; t < count; ++b, first_off = 0) {
+    span.prefetch_next(key_cache, b);
     const scalar_t* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
     // Chunks of <= 16 positions within the block (block_size need not be 16, and the
     // window's first block is entered at first_off).
@@ -173,6 +203,7 @@ void weighted_sum_avx512_fixed(const float* scores, const scalar_t* value_cache,
     for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
   int64_t b = span.first / block_size, off = span.first % block_size;
   for (int64_t t = 0; t < count; ++b, off = 0) {
+    span.prefetch_next(value_cache, b);
     const int64_t n = std::min(block_size - off, count - t);
     const scalar_t* vb = value_cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * row_stride;
     for (int64_t i = 0; i < n; ++i) {
@@ -218,27 +249,190 @@ void weighted_sum_avx512(const float* scores, int64_t group, const scalar_t* val
 }
 #endif
 
-// One (request, kv head) pair: scores, soft cap, softmax, weighted sum into acc
-// [group, head_dim]. NV = head_dim / 16 takes the AVX-512 loops, NV = 0 the generic ones.
+#if !defined(__AVX512F__)
+// 8 float lanes in gcc vector types (AVX2: one ymm; NEON: two q registers).
+typedef float V8 __attribute__((vector_size(32)));
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+inline V8 load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline V8 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  U16x8 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  return reinterpret_cast<V8>(__builtin_convertvector(raw, U32x8) << 16);
+}
+inline V8 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<V8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  V8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// out[i] = sum of the 8 lanes of rows[i], i < 8 (rows: 8 x 8 floats).
+inline void sum_rows8(const float* rows, float* out) {
+#if defined(__AVX__)
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + 8 * i);
+  // hadd pairs: lanes of t0 = (r0 01, r0 23, r1 01, r1 23 | r0 45, r0 67, r1 45, r1 67) ...
+  const __m256 t0 = _mm256_hadd_ps(r[0], r[1]), t1 = _mm256_hadd_ps(r[2], r[3]);
+  const __m256 t2 = _mm256_hadd_ps(r[4], r[5]), t3 = _mm256_hadd_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 = (r0 lo, r1 lo, r2 lo, r3 lo | r0 hi, r1 hi, r2 hi, r3 hi): add the 128-bit halves.
+  const __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20), hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+#else
+  for (int i = 0; i < 8; ++i) {
+    float total = 0.f;
+    for (int l = 0; l < 8; ++l) total += rows[8 * i + l];
+    out[i] = total;
+  }
+#endif
+}
+
+// head_dim = 8 * NV. Each K row is widened once and used by every head of the group; the 8
+// partial-sum vectors of a chunk of positions are reduced together.
+template <int NV, typename scalar_t>
+void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache, const Span& span,
+                 float* partial, float* scores) {
+  constexpr int64_t D = 8 * NV;
+  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
+  int64_t b = span.first / block_size, first_off = span.first % block_size;
+  float sums[8];
+  for (int64_t t = 0; t < count; ++b, first_off = 0) {
+    span.prefetch_next(key_cache, b);
+    const scalar_t* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
+    for (int64_t off = first_off; off < block_size && t < count; off += 8) {
+      const int64_t n = std::min<int64_t>({8, block_size - off, count - t});
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t* k = kb + (off + i) * row_stride;
+        V8 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = load8(k + 8 * j);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + g * D;
+          V8 s0 = load8(qg) * kv[0], s1{};
+          for (int j = 1; j < NV; ++j) {
+            if (j & 1) s1 += load8(qg + 8 * j) * kv[j];
+            else s0 += load8(qg + 8 * j) * kv[j];
+          }
+          const V8 s = s0 + s1;
+          std::memcpy(partial + (g * 8 + i) * 8, &s, sizeof s);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        sum_rows8(partial + g * 64, sums);
+        std::memcpy(scores + g * count + t, sums, n * sizeof(float));
+      }
+      t += n;
+    }
+  }
+}
+
+// acc[g] = sum over the span of p[g, t] * v_t. float32 caches: head by head, 8 vectors of
+// accumulators in registers at a time and the V rows read as FMA memory operands (the other
+// heads find them in L1/L2): ~9 instructions per head and position instead of ~25 with the
+// accumulators in memory. 16-bit caches: one sweep, each row widened once for the group.
+template <int NV, typename scalar_t>
+void weighted_sum_vec8(const float* scores, int64_t group, const scalar_t* value_cache,
+                       const Span& span, float* acc) {
+  constexpr int64_t D = 8 * NV;
+  const int64_t count = span.count;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    constexpr int C = NV < 8 ? NV : 8;  // accumulator vectors per pass
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = scores + g * count;
+      for (int j0 = 0; j0 < NV; j0 += C) {
+        V8 a[C];
+        for (int j = 0; j < C; ++j) a[j] = V8{};
+        for_each_position(value_cache, span, [&](int64_t t, const float* v) {
+          const float pt = p[t];
+          for (int j = 0; j < C; ++j) a[j] += pt * load8(v + 8 * (j0 + j));
+        });
+        for (int j = 0; j < C; ++j) std::memcpy(acc + g * D + 8 * (j0 + j), &a[j], sizeof(V8));
+      }
+    }
+    return;
+  }
+  std::fill(acc, acc + group * D, 0.f);
+  for_each_position(value_cache, span, [&](int64_t t, const scalar_t* v) {
+    V8 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load8(v + 8 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * count + t];
+      float* ag = acc + g * D;
+      for (int j = 0; j < NV; ++j) {
+        V8 a = load8(ag + 8 * j);
+        a += p * vv[j];
+        std::memcpy(ag + 8 * j, &a, sizeof a);
+      }
+    }
+  });
+}
+#endif
+
+// One work item: scores, soft cap, e^(s - max) with its max and sum per head (m, l), and the
+// unnormalised weighted sum into acc [group, head_dim]. NV = head_dim / lanes takes the
+// vector loops (16 lanes with AVX-512, else 8), NV = 0 the generic ones.
 template <int NV, typename scalar_t>
 void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
             const scalar_t* value_cache, const Span& span, float soft_cap, float* partial,
-            float* scores, float* acc) {
+            float* scores, float* acc, float* m, float* l) {
 #if defined(__AVX512F__)
   if constexpr (NV > 0)
     scores_avx512<NV>(q, group, key_cache, span, partial, scores);
+  else
+#else
+  if constexpr (NV > 0)
+    scores_vec8<NV>(q, group, key_cache, span, partial, scores);
   else
 #endif
     scores_generic(q, group, head_dim, key_cache, span, scores);
   // The heads' score rows are contiguous: one pass caps them all.
   if (soft_cap > 0.f) soft_cap_inplace(scores, group * span.count, soft_cap);
-  for (int64_t g = 0; g < group; ++g) pagedinfer::softmax_inplace(scores + g * span.count, span.count);
+  for (int64_t g = 0; g < group; ++g)
+    l[g] = pagedinfer::exp_shifted_inplace(scores + g * span.count, span.count, m + g);
 #if defined(__AVX512F__)
   if constexpr (NV > 0)
     weighted_sum_avx512<NV>(scores, group, value_cache, span, acc);
   else
+#else
+  if constexpr (NV > 0)
+    weighted_sum_vec8<NV>(scores, group, value_cache, span, acc);
+  else
 #endif
     weighted_sum_generic(scores, group, head_dim, value_cache, span, acc);
+}
+
+template <typename scalar_t>
+void attend_any(const float* q, int64_t group, int64_t head_dim, const scalar_t* kc,
+                const scalar_t* vc, const Span& span, float soft_cap, float* partial,
+                float* scores, float* acc, float* m, float* l) {
+#if defined(__AVX512F__)
+  if constexpr (kVec<scalar_t>) {
+    switch (head_dim) {
+      case 64: return attend<4>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      case 128: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      case 256: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      default: break;
+    }
+  }
+#else
+  if constexpr (pagedinfer::kVecType<scalar_t>) {
+    switch (head_dim) {
+      case 64: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      case 128: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      case 256: return attend<32>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      default: break;
+    }
+  }
+#endif
+  attend<0>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
 }
 
 template <typename scalar_t>
@@ -251,18 +445,54 @@ void decode_kernel(const scalar_t* __restrict__ query, const scalar_t* __restric
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;    // next position, same kv head
   const int64_t block_stride = block_size * row_stride;  // next block
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim);
-    std::vector<float> acc(group * head_dim);
+  // Each request's attended positions [first, first + count), and the part length.
+  std::vector<int64_t> first(num_reqs), count(num_reqs);
+  int64_t longest = 1;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t seq_len = seq_lens[r];
+    first[r] = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+    count[r] = seq_len - first[r];
+    longest = std::max(longest, count[r]);
+  }
+  const int64_t pairs = num_reqs * num_kv_heads;
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  int64_t part_len = longest;
+  if (num_reqs < wanted) {
+    const int64_t parts = (wanted + num_reqs - 1) / num_reqs;
+    part_len = std::max(kMinPart, ((longest + parts - 1) / parts + 15) / 16 * 16);
+  }
+  // Parts of request r: part_start[r] .. part_start[r + 1] - 1 (global part ids).
+  std::vector<int64_t> part_start(num_reqs + 1, 0), part_req;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = std::max<int64_t>(1, (count[r] + part_len - 1) / part_len);
+    part_start[r + 1] = part_start[r] + n;
+    part_req.insert(part_req.end(), n, r);
+  }
+  const int64_t total_parts = part_start[num_reqs];
+  const bool split = total_parts > num_reqs;
+  // Split requests' partial results: [part, kv head, group] maxes and sums, and
+  // [part, kv head, group, head_dim] unnormalised sums.
+  std::vector<float> part_m, part_l, part_acc;
+  if (split) {
+    part_m.resize(total_parts * num_kv_heads * group);
+    part_l.resize(part_m.size());
+    part_acc.resize(part_m.size() * head_dim);
+  }
+  auto write_out = [&](int64_t r, int64_t kvh, int64_t g, const float* acc, float inv_l) {
+    scalar_t* dst = out + (r * num_heads + kvh * group + g) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv_l);
+  };
+  at::parallel_for(0, total_parts * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), m(group), l(group);
     std::vector<float> scores;
     std::vector<float> partial(group * 16 * 16);  // per-chunk partial dot products
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t r = work / num_kv_heads;
-      const int64_t kvh = work % num_kv_heads;
-      const int64_t seq_len = seq_lens[r];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-      const Span span{block_table + r * max_blocks, first, seq_len - first,
-                      block_size, row_stride, block_stride};
+      const int64_t part = work / num_kv_heads, kvh = work % num_kv_heads;
+      const int64_t r = part_req[part], index = part - part_start[r];
+      const int64_t start = index * part_len;
+      const Span span{block_table + r * max_blocks, first[r] + start,
+                      std::min(part_len, count[r] - start), block_size, row_stride, block_stride,
+                      head_dim * static_cast<int64_t>(sizeof(scalar_t))};
       const scalar_t* kc = key_cache + kvh * head_dim;
       const scalar_t* vc = value_cache + kvh * head_dim;
       for (int64_t g = 0; g < group; ++g) {
@@ -270,23 +500,39 @@ void decode_kernel(const scalar_t* __restrict__ query, const scalar_t* __restric
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
       if (static_cast<int64_t>(scores.size()) < group * span.count) scores.resize(group * span.count);
-      bool done = false;
-#if defined(__AVX512F__)
-      if constexpr (kVec<scalar_t>) {
-        done = true;
-        switch (head_dim) {
-          case 64: attend<4>(q.data(), group, head_dim, kc, vc, span, soft_cap, partial.data(), scores.data(), acc.data()); break;
-          case 128: attend<8>(q.data(), group, head_dim, kc, vc, span, soft_cap, partial.data(), scores.data(), acc.data()); break;
-          case 256: attend<16>(q.data(), group, head_dim, kc, vc, span, soft_cap, partial.data(), scores.data(), acc.data()); break;
-          default: done = false;
-        }
+      attend_any(q.data(), group, head_dim, kc, vc, span, soft_cap, partial.data(), scores.data(),
+                 acc.data(), m.data(), l.data());
+      if (part_start[r + 1] - part_start[r] == 1) {
+        for (int64_t g = 0; g < group; ++g) write_out(r, kvh, g, acc.data() + g * head_dim, 1.f / l[g]);
+      } else {
+        const int64_t at = (part * num_kv_heads + kvh) * group;
+        std::copy(m.begin(), m.end(), part_m.begin() + at);
+        std::copy(l.begin(), l.end(), part_l.begin() + at);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + at * head_dim);
       }
-#endif
-      if (!done)
-        attend<0>(q.data(), group, head_dim, kc, vc, span, soft_cap, partial.data(), scores.data(), acc.data());
+    }
+  });
+  if (!split) return;
+  // Combine the parts: with M the largest part max, weights e^(m_p - M) scale each part's
+  // sum and its share of the normaliser.
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(head_dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t r = pair / num_kv_heads, kvh = pair % num_kv_heads;
+      const int64_t p0 = part_start[r], p1 = part_start[r + 1];
+      if (p1 - p0 == 1) continue;
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = out + (r * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+        float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+        for (int64_t p = p0; p < p1; ++p) top = std::max(top, part_m[(p * num_kv_heads + kvh) * group + g]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t at = (p * num_kv_heads + kvh) * group + g;
+          const float w = std::exp(part_m[at] - top);
+          total += part_l[at] * w;
+          const float* src = part_acc.data() + at * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * src[d];
+        }
+        write_out(r, kvh, g, acc.data(), 1.f / total);
       }
     }
   });

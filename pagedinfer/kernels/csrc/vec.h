@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -95,10 +96,36 @@ inline __m512 tanh16(__m512 x) {
 #else
 template <typename T>
 constexpr bool kVec = false;
+
+// 8 float lanes in gcc vector types (AVX2: one ymm; NEON: two q registers; scalar code
+// elsewhere), for the paths without AVX-512.
+typedef float F8v __attribute__((vector_size(32)));
+typedef int32_t I8v __attribute__((vector_size(32)));
+
+// e^x for 8 lanes, x <= 0 (softmax weights; relative error ~2e-7, 0 below -87.3): exp16's
+// method, 2^n built from the exponent bits (n in [-126, 0]).
+inline F8v exp8_nonpositive(F8v x) {
+  const I8v tiny = x < -87.3f;
+  x = x < -87.3f ? F8v{} - 87.3f : x;
+  const F8v t = x * 1.44269504088896341f;
+  const F8v n = (t + 12582912.f) - 12582912.f;  // round to nearest (|t| < 2^22)
+  const F8v y = (t - n) * 0.693147180559945f;     // |y| <= 0.347
+  F8v p = F8v{} + 1.f / 720.f;
+  p = p * y + 1.f / 120.f;
+  p = p * y + 1.f / 24.f;
+  p = p * y + 1.f / 6.f;
+  p = p * y + 0.5f;
+  p = p * y + 1.f;
+  p = p * y + 1.f;
+  const I8v bits = (__builtin_convertvector(n, I8v) + 127) << 23;
+  const F8v e = p * reinterpret_cast<F8v>(bits);
+  return tiny ? F8v{} : e;
+}
 #endif
 
-// In place: s = softmax(s) over n floats.
-inline void softmax_inplace(float* s, int64_t n) {
+// In place: s = e^(s - max s) over n floats; returns the sum, the max in *max_out (the
+// pieces of a softmax that a split context combines later).
+inline float exp_shifted_inplace(float* s, int64_t n, float* max_out) {
   float m = -std::numeric_limits<float>::infinity();
   float sum = 0.f;
   int64_t i = 0;
@@ -118,18 +145,23 @@ inline void softmax_inplace(float* s, int64_t n) {
     vsum = _mm512_add_ps(vsum, e);
   }
   sum = _mm512_reduce_add_ps(vsum);
+#else
+  F8v vsum{};
+  for (; i + 8 <= n; i += 8) {
+    F8v v;
+    std::memcpy(&v, s + i, sizeof v);
+    const F8v e = exp8_nonpositive(v - m);
+    std::memcpy(s + i, &e, sizeof e);
+    vsum += e;
+  }
+  for (int l = 0; l < 8; ++l) sum += vsum[l];
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - m);
     sum += s[i];
   }
-  const float inv = 1.f / sum;
-  i = 0;
-#if defined(__AVX512F__)
-  const __m512 vinv = _mm512_set1_ps(inv);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vinv));
-#endif
-  for (; i < n; ++i) s[i] *= inv;
+  *max_out = m;
+  return sum;
 }
 
 }  // namespace pagedinfer

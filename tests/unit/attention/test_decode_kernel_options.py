@@ -196,3 +196,30 @@ def test_gelu_tanh_and_mul_bf16() -> None:
 def test_gelu_tanh_and_mul_rejects_odd_width() -> None:
     with pytest.raises(RuntimeError, match="2 \\* d"):
         _kernels.gelu_tanh_and_mul(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_long_contexts_split_into_parts_match_reference(threads, dtype, head_dim) -> None:
+    """Few requests with long contexts: each context is split into parts (>= 128 positions)
+    so every thread has work, the parts' softmax pieces combined afterwards. Lengths that
+    are not whole parts, a request of one part beside split ones, window and cap on a
+    split context; the result must not depend on the thread count (the split does)."""
+    seq_lens = [1000, 7, 300, 129]
+    case = _paged_case(seq_lens, 9, 3, head_dim, 16, dtype, seed=5, q_std=3.0)
+    scale = head_dim**-0.5
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window, soft_cap in [(0, 0.0), (700, 0.0), (0, 30.0)]:
+            out = _decode(*case, window, soft_cap)
+            expected = _reference(*case, scale, window, soft_cap)
+            torch.testing.assert_close(out.float(), expected, atol=atol, rtol=0)
+        query, key_cache, value_cache, table, lens = case
+        alone = (query[:1], key_cache, value_cache, table[:1], lens[:1])  # the most parts
+        expected = _reference(*alone, scale, 0, 0.0)
+        torch.testing.assert_close(_decode(*alone).float(), expected, atol=atol, rtol=0)
+    finally:
+        torch.set_num_threads(before)

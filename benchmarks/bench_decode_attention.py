@@ -1,0 +1,86 @@
+"""Paged decode attention alone (`paged_decode_attention`, kernels/csrc/paged_attention_cpu.cpp):
+achieved GB/s of K/V read per call, to set against the machine's DRAM read bandwidth
+(benchmarks/ceilings.py).
+
+Cases (SmolLM2's attention: 9 query heads, 3 KV heads, head_dim 64; or --heads/--kv-heads/
+--head-dim): a batch of running requests with the given context lengths, their blocks
+scattered over a cache larger than the last-level cache, as the engine's are. Bytes counted:
+every K and V row each request attends to, once (the kernel's minimum); block tables are
+redrawn between calls so each call reads from DRAM.
+
+    .venv/bin/python benchmarks/bench_decode_attention.py [--dtype float32] \
+        [--cases 1x1000,1x4000,1x16000,8x1000,200x300] [--out a.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
+            dtype: torch.dtype, block_size: int = 16, min_s: float = 1.0) -> dict:  # fmt: skip
+    blocks_per_req = -(-ctx // block_size)
+    num_blocks = max(reqs * blocks_per_req, (1 << 30) // (block_size * kv_heads * head_dim * 4))
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    moved = 2 * reqs * ctx * kv_heads * head_dim * kc.element_size()
+    # Block tables drawn afresh, enough of them that the calls read ~512 MB between two
+    # uses of one table: every call reads from DRAM, not from a cache the last call filled.
+    tables = [
+        torch.randperm(num_blocks, generator=g)[: reqs * blocks_per_req].view(reqs, -1).int()
+        for _ in range(min(64, max(1, -(-(512 << 20) // moved))))
+    ]
+    q = torch.randn(reqs, heads, head_dim, generator=g).to(dtype)
+    lens = torch.full((reqs,), ctx, dtype=torch.int32)
+    scale = head_dim**-0.5
+    for table in tables:
+        kernels.paged_decode_attention(q, kc, vc, table, lens, scale, 0, 0.0)
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_s or calls < len(tables):
+        kernels.paged_decode_attention(q, kc, vc, tables[calls % len(tables)], lens, scale, 0, 0.0)
+        calls += 1
+    seconds = (time.perf_counter() - start) / calls
+    return {"reqs": reqs, "ctx": ctx, "ms": round(seconds * 1e3, 3),
+            "gb_s": round(moved / seconds / 1e9, 2), "mb_read": round(moved / 1e6, 1)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--cases", default="1x1000,1x4000,1x16000,8x1000,200x300")
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from benchmarks.ceilings import cpu_facts
+    from pagedinfer.kernels.cpu import kernel_isa, load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        sys.exit("the C++ kernels cannot be built here")
+    facts = {**cpu_facts(), "kernel_tier": kernel_isa(), "dtype": args.dtype}
+    print(json.dumps(facts))
+    rows = []
+    for case in args.cases.split(","):
+        reqs, ctx = (int(x) for x in case.split("x"))
+        row = measure(kernels, reqs, ctx, args.heads, args.kv_heads, args.head_dim,
+                      getattr(torch, args.dtype))  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": facts, "cases": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
