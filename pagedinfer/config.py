@@ -67,9 +67,9 @@ class ModelConfig:
     SiLU-and-mul through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
     quant_max_tokens: int = Field(default=32, ge=0)
     """Steps with at most this many tokens multiply by the GGUF file's own quantised
-    matrices (Q4_0/Q4_1/Q8_0, and a Q8_0 LM head) through pagedinfer's C++ kernels instead
-    of the dense weights: small-batch decode then reads 4.5-8.5 bits per weight instead of
-    16 or 32. The weights are exactly the file's; float32 activations stay float32 (results
+    matrices (Q4_0/Q4_1/Q5_0/Q8_0, Q4_K/Q5_K/Q6_K, and a quantised LM head) through
+    pagedinfer's C++ kernels instead of the dense weights: small-batch decode then reads
+    4.5-8.5 bits per weight instead of 16 or 32. The weights are exactly the file's; float32 activations stay float32 (results
     equal the dense path's up to summation order), 16-bit ones are rounded to int8 per
     group of 32 on CPUs with AVX512-VNNI (as llama.cpp does). Larger steps use the dense
     weights, faster once the product is compute-bound: on the default model the quantised
