@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
     parser.add_argument("--quant-max-tokens", type=int, default=None, help="engine default")
+    parser.add_argument("--quant-activations", default="auto", choices=["auto", "float32", "int8"])
     args = parser.parse_args()
     workload = load_workload(args.workload, args.num_requests)
 
@@ -55,6 +56,7 @@ def main() -> None:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_model_len=4096,
         **({} if args.quant_max_tokens is None else {"quant_max_tokens": args.quant_max_tokens}),
+        quant_activations=args.quant_activations,
     )
     load_s = time.perf_counter() - start
     worker = llm.llm_engine.engine_core.executor.worker
@@ -92,6 +94,7 @@ def main() -> None:
         "engine": "pagedinfer",
         "model": os.path.basename(worker.config.model_config.model or "default"),
         "dtype": str(worker.dtype).removeprefix("torch."),
+        "quant_activations": args.quant_activations,
         "threads": args.threads,
         "load_s": round(load_s, 2),
         "offline_output_tok_s": round(num_out / elapsed, 1),

@@ -69,13 +69,21 @@ class ModelConfig:
     """Steps with at most this many tokens multiply by the GGUF file's own quantised
     matrices (Q4_0/Q4_1/Q5_0/Q8_0, Q4_K/Q5_K/Q6_K, and a quantised LM head) through
     pagedinfer's C++ kernels instead of the dense weights: small-batch decode then reads
-    4.5-8.5 bits per weight instead of 16 or 32. The weights are exactly the file's; float32 activations stay float32 (results
-    equal the dense path's up to summation order), 16-bit ones are rounded to int8 per
-    group of 32 on CPUs with AVX512-VNNI (as llama.cpp does). Larger steps use the dense
+    4.5-8.5 bits per weight instead of 16 or 32. The weights are exactly the file's; how
+    the activations are taken is `quant_activations`. Larger steps use the dense
     weights, faster once the product is compute-bound: on the default model the quantised
     path still won at 32 rows and lost at 64 (docs/benchmarks.md), and 32 keeps a batch-4
     speculative verify step (16 rows) on the quantised path. Needs the cpu_paged backend's
     C++ build; 0 disables."""
+    quant_activations: Literal["auto", "float32", "int8"] = "auto"
+    """How those quantised products take the activations: "float32" widens the codes and
+    multiplies exactly (the dense product up to summation order); "int8" rounds the
+    activations to int8 per group of 32 and uses integer dot products (AVX512-VNNI, or
+    AVX2's vpmaddubsw), as llama.cpp does on every CPU: faster, with a rounding of <= 0.4%
+    of each group's largest value; "auto" is int8 for bfloat16/float16 models and float32
+    for float32 ones (which keep greedy parity with transformers). Q4_0/Q4_1/Q8_0 blocks
+    only; Q5_0 and the K-quants always take float32 activations. Where the CPU has no
+    integer dot product, float32."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
     adapt_threads: bool = False

@@ -467,6 +467,7 @@ class LlamaForCausalLM(nn.Module):
         kernels: Any,
         max_rows: int,
         quantize_lm_head: bool,
+        activations: str = "auto",
     ) -> int:
         """Give steps of <= max_rows rows the file's own quantised matrices (`model/quant`,
         installed by `model/weights.install_quantized`).
@@ -477,4 +478,4 @@ class LlamaForCausalLM(nn.Module):
         batch 1 the LM head is the largest single read of a step; float32 models keep their
         exact weights). Returns the number of matrices given a quantised path.
         """
-        return install_quantized(self, blocks, kernels, max_rows, quantize_lm_head)
+        return install_quantized(self, blocks, kernels, max_rows, quantize_lm_head, activations)

@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "GROUP_SIZE",
+    "ACTIVATION_MODES",
     "RAW_FORMATS",
     "QuantBlocks",
     "QuantMatrix",
@@ -220,6 +221,12 @@ class RawBlocks:
 
 QuantMatrix = QuantBlocks | RawBlocks
 
+# How `QuantizedWeight` multiplies activations (`ModelConfig.quant_activations`): "float32"
+# exact float products; "int8" rounded to int8 per group of 32 where the CPU has an integer
+# dot product (AVX512-VNNI, AVX2), for Q4_0/Q4_1/Q8_0 blocks; "auto" int8 for 16-bit
+# activations, float32 for float32 ones (float32 models keep parity with the dense path).
+ACTIVATION_MODES = ("auto", "float32", "int8")
+
 
 def concat_blocks(parts: Sequence[QuantMatrix]) -> QuantMatrix | None:
     """Row-wise concatenation (fused q/k/v, gate/up); None if the parts' formats differ."""
@@ -297,7 +304,10 @@ class QuantizedWeight:
       `kernels/csrc/kquant_linear_cpu.cpp`.
     """
 
-    def __init__(self, blocks: QuantMatrix, kernels: Any) -> None:
+    def __init__(self, blocks: QuantMatrix, kernels: Any, activations: str = "auto") -> None:
+        if activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
+        self.activations = activations
         self.kind = blocks.kind
         self.out_features = blocks.rows
         self.in_features = blocks.cols
@@ -341,7 +351,13 @@ class QuantizedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in_features] -> [rows, out_features] in x's dtype."""
-        return self._fn(x.contiguous(), self.packed, self._format, self.out_features)
+        x = x.contiguous()
+        if self._format not in (4, 8):  # the planes kernel: float activations only
+            return self._fn(x, self.packed, self._format, self.out_features)
+        int8 = self.activations == "int8" or (
+            self.activations == "auto" and x.dtype != torch.float32
+        )
+        return self._fn(x, self.packed, self._format, self.out_features, int8)
 
 
 class QuantizedParts:

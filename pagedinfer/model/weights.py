@@ -200,6 +200,7 @@ def install_quantized(
     kernels: Any,
     max_rows: int,
     quantize_lm_head: bool,
+    activations: str = "auto",
 ) -> int:
     """Give `model`'s steps of <= max_rows rows the file's own quantised matrices
     (`model/quant`); the contract is `LlamaForCausalLM.load_quantized`'s. Returns the
@@ -228,9 +229,9 @@ def install_quantized(
             joined = concat_blocks(pieces)
             # Parts in different formats (Gemma 3's Q5_0 q/k and Q8_0 v): one kernel each.
             quant: QuantizedWeight | QuantizedParts = (
-                QuantizedWeight(joined, kernels)
+                QuantizedWeight(joined, kernels, activations)
                 if joined is not None
-                else QuantizedParts([QuantizedWeight(b, kernels) for b in pieces])
+                else QuantizedParts([QuantizedWeight(b, kernels, activations) for b in pieces])
             )
             layer.get_submodule(target).set_quant(quant, max_rows)
             count += 1
@@ -244,7 +245,7 @@ def install_quantized(
     if head_blocks is None and quantize_lm_head and model.config.hidden_size % GROUP_SIZE == 0:
         head_blocks = quantize_q8_0(model.lm_head_weight[: hi - lo])
     if head_blocks is not None:
-        model.lm_head_quant = QuantizedWeight(head_blocks, kernels)
+        model.lm_head_quant = QuantizedWeight(head_blocks, kernels, activations)
         model.lm_head_quant_max_rows = max_rows
         count += 1
     return count

@@ -194,8 +194,13 @@ class Worker:
         if max_rows > 0 and isinstance(backend, CpuPagedBackend):
             blocks = load_quant_blocks(path, arch, wanted)
             assert backend.kernel is not None  # the paged backend's C++ build
+            activations = self.config.model_config.quant_activations
             num_quant = model.load_quantized(
-                blocks, backend.kernel, max_rows, quantize_lm_head=self.dtype != torch.float32
+                blocks,
+                backend.kernel,
+                max_rows,
+                quantize_lm_head=self.dtype != torch.float32,
+                activations=activations,
             )
             dense = model.num_local_layers * len(PROJECTIONS) + int(model.pp.is_last_rank)
             dense -= num_quant
@@ -216,8 +221,9 @@ class Worker:
                     "%d matrices%s.",
                     max_rows,
                     num_quant,
-                    " (int8 activations, VNNI)"
-                    if self.dtype != torch.float32
+                    " (int8 activations for Q4_0/Q4_1/Q8_0)"
+                    if (activations == "int8" or self.dtype != torch.float32)
+                    and activations != "float32"
                     and backend.kernel.quant_linear_uses_int8_activations()
                     else "",
                 )

@@ -12,7 +12,7 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
                       torch::Tensor sin, int64_t num_heads, int64_t head_dim);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
-                           int64_t out_features);
+                           int64_t out_features, bool int8_activations);
 bool quant_linear_uses_int8_activations();
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
                             int64_t out_features);
@@ -35,7 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "In-place rotate-half RoPE on the first heads");
   m.def("quant_linear", &quant_linear, "x @ W.T, W in packed Q4/Q8 blocks (model/quant.py)");
   m.def("quant_linear_uses_int8_activations", &quant_linear_uses_int8_activations,
-        "Whether 16-bit activations are quantised to int8 (AVX512-VNNI) in quant_linear");
+        "Whether quant_linear has an int8-activation path here (AVX512-VNNI or AVX2)");
   m.def("kquant_linear", &kquant_linear,
         "x @ W.T, W in packed Q5_0/Q4_K/Q5_K/Q6_K planes (model/quant.py); format: GGUF type id");
   m.def("kquant_record_bytes", &kquant_record_bytes,

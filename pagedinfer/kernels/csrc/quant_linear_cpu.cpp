@@ -8,12 +8,13 @@
 // of the 16 lanes accumulates one output, no horizontal sums, and the 16 features' scales
 // of a group are one vector load.
 //
-// Two inner products over that layout:
-// - 16-bit activations (bf16/fp16), CPUs with AVX512-VNNI: the activations are quantised
-//   per group of 32 to int8 with a float scale (what llama.cpp does with its q8_1
-//   activations; the rounding, <= 0.4% of the group's largest value, is of the order of
-//   bf16's own), and `vpdpbusd` multiplies 64 code/activation byte pairs per instruction.
-// - float32 activations (and any CPU without VNNI): codes widened to float32, exact
+// Two inner products over that layout, the caller choosing (`int8_activations`):
+// - int8 activations, CPUs with AVX512-VNNI or AVX2: the activations are quantised per
+//   group of 32 to int8 with a float scale (what llama.cpp does with its q8_1 activations;
+//   the rounding, <= 0.4% of the group's largest value, is of the order of bf16's own);
+//   `vpdpbusd` multiplies 64 code/activation byte pairs per instruction, AVX2's
+//   `vpmaddubsw` + `vpmaddwd` 32 in two. Exact integer dot products, float scales.
+// - float activations (and any CPU without either): codes widened to float32, exact
 //   products, float32 sums; the result equals the dense product up to summation order, so
 //   float32 models keep greedy parity with the dense weights.
 // Both add the Q4 offset as sum_g m[n, g] * (sum of x over group g), from unrounded x.
@@ -46,10 +47,13 @@
 
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kHasVnni = true;
+// An integer dot product for int8 activations: AVX512-VNNI (vpdpbusd on zmm), else AVX2
+// (vpmaddubsw + vpmaddwd on ymm, as llama.cpp does on such CPUs).
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
+    (defined(__AVX2__) && defined(__F16C__))
+constexpr bool kInt8Dot = true;
 #else
-constexpr bool kHasVnni = false;
+constexpr bool kInt8Dot = false;
 #endif
 
 using pagedinfer::quant::Activations;
@@ -207,10 +211,10 @@ void block_float(const Activations& a, int64_t r0, const uint8_t* recs, float (*
 #endif
 }
 
-// --- int8 activations, VNNI dot products -------------------------------------------------
+// --- int8 activations: integer dot products ----------------------------------------------
 
 template <Format F, int R>
-void block_vnni(const Activations& a, int64_t r0, const uint8_t* recs, float (*acc_out)[kLanes]) {
+void block_int8(const Activations& a, int64_t r0, const uint8_t* recs, float (*acc_out)[kLanes]) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   using Rec = Record<F>;
   const int64_t G = a.G, K = a.K;
@@ -251,16 +255,68 @@ void block_vnni(const Activations& a, int64_t r0, const uint8_t* recs, float (*a
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out[r], acc[r]);
+#elif defined(__AVX2__) && defined(__F16C__)
+  // Two passes of 8 lanes (bytes 32h..32h+31 of each 64-byte code vector). vpmaddubsw
+  // multiplies unsigned code bytes by signed activation bytes into pairs of 16-bit sums:
+  // Q4 nibbles as they are (8 pairs of <= 2 * 15 * 127 sum to <= 30,480: no saturation
+  // before one vpmaddwd widens them to 32 bits); Q8 as |w| times x with w's sign (each pair
+  // <= 2 * 128 * 127: widened at once).
+  using Rec = Record<F>;
+  const int64_t G = a.G, K = a.K;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kLanes; ++i) acc_out[r][i] = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* rec = Rec::fetch(recs, g);
+    for (int64_t h = 0; h < 2; ++h) {
+      __m256i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+      for (int j = 0; j < Rec::kVectors; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + j * 64 + h * 32));
+        if constexpr (F == Format::kQ4) {
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xd = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * K + g * kGroup);
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xd[j])),
+                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xd[4 + j])));
+            s[r] = _mm256_add_epi16(s[r], p);  // 16-bit until the end of the group (see above)
+          }
+        } else {
+          const __m256i w = _mm256_abs_epi8(v);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xd = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * K + g * kGroup);
+            const __m256i p = _mm256_maddubs_epi16(w, _mm256_sign_epi8(_mm256_set1_epi32(xd[j]), v));
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Rec::scale(rec) + 8 * h)));
+      __m256 m = _mm256_setzero_ps();
+      if constexpr (F == Format::kQ4)
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Rec::offset(rec) + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        __m256i dot = s[r];
+        if constexpr (F == Format::kQ4) dot = _mm256_madd_epi16(dot, ones);
+        const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.xscale[(r0 + r) * G + g]));
+        __m256 total = _mm256_loadu_ps(acc_out[r] + 8 * h);
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, total);
+        if constexpr (F == Format::kQ4)
+          total = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum[(r0 + r) * G + g]), total);
+        _mm256_storeu_ps(acc_out[r] + 8 * h, total);
+      }
+    }
+  }
 #else
-  TORCH_CHECK(false, "VNNI kernel called on a build without AVX512-VNNI");
+  TORCH_CHECK(false, "int8 kernel called on a build without an integer dot product");
 #endif
 }
 
-template <Format F, bool Vnni>
+template <Format F, bool Int8>
 void block(int R, const Activations& a, int64_t r0, const uint8_t* recs, float (*acc_out)[kLanes]) {
 #define PAGEDINFER_BLOCK(N)                                              \
   case N:                                                                \
-    if constexpr (Vnni) return block_vnni<F, N>(a, r0, recs, acc_out);   \
+    if constexpr (Int8) return block_int8<F, N>(a, r0, recs, acc_out);   \
     else return block_float<F, N>(a, r0, recs, acc_out);
   switch (R) {
     PAGEDINFER_BLOCK(1)
@@ -277,7 +333,7 @@ void block(int R, const Activations& a, int64_t r0, const uint8_t* recs, float (
 }
 
 torch::Tensor run_quant_linear(const torch::Tensor& x, const torch::Tensor& packed, Format format,
-                               int64_t out_features) {
+                               int64_t out_features, bool int8_activations) {
   check_activations(x);
   const int64_t K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, "in_features must be a multiple of 32");
@@ -286,17 +342,17 @@ torch::Tensor run_quant_linear(const torch::Tensor& x, const torch::Tensor& pack
                   packed.size(1) == G && packed.size(2) == rec_bytes,
               "packed weights must be contiguous uint8 [blocks, in / 32, ", rec_bytes, "]");
   // One scratch buffer for the prepared activations (a few KB at decode sizes).
-  const bool vnni = kHasVnni && x.scalar_type() != at::kFloat;
+  const bool int8 = kInt8Dot && int8_activations;
   std::vector<float> scratch;
-  const Activations a = prepare_activations(x, vnni, scratch);
+  const Activations a = prepare_activations(x, int8, scratch);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   return run_blocks(x, packed.size(0), out_features, [&](int R, int64_t r0, int64_t b, float (*acc)[kLanes]) {
     const uint8_t* recs = pp + b * G * rec_bytes;
     if (format == Format::kQ4) {
-      if (vnni) block<Format::kQ4, true>(R, a, r0, recs, acc);
+      if (int8) block<Format::kQ4, true>(R, a, r0, recs, acc);
       else block<Format::kQ4, false>(R, a, r0, recs, acc);
     } else {
-      if (vnni) block<Format::kQ8, true>(R, a, r0, recs, acc);
+      if (int8) block<Format::kQ8, true>(R, a, r0, recs, acc);
       else block<Format::kQ8, false>(R, a, r0, recs, acc);
     }
   });
@@ -306,12 +362,14 @@ torch::Tensor run_quant_linear(const torch::Tensor& x, const torch::Tensor& pack
 
 // y = x @ W.T with W packed by model/quant.py in the "x16" layout above (format 4: Q4
 // records, 8: Q8 records). x: [rows, in] float32/bfloat16/float16; returns
-// [rows, out_features] in x's dtype.
+// [rows, out_features] in x's dtype. int8_activations: quantise x per group of 32 to int8
+// where this build has an integer dot product (else the float path).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
-                           int64_t out_features) {
+                           int64_t out_features, bool int8_activations) {
   TORCH_CHECK(format == 4 || format == 8, "format must be 4 (Q4) or 8 (Q8)");
-  return run_quant_linear(x, packed, format == 4 ? Format::kQ4 : Format::kQ8, out_features);
+  return run_quant_linear(x, packed, format == 4 ? Format::kQ4 : Format::kQ8, out_features,
+                          int8_activations);
 }
 
-// Whether 16-bit activations take the int8 (VNNI) path in this build.
-bool quant_linear_uses_int8_activations() { return kHasVnni; }
+// Whether this build has an integer dot product for int8 activations (AVX512-VNNI, AVX2).
+bool quant_linear_uses_int8_activations() { return kInt8Dot; }

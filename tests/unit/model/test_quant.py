@@ -144,6 +144,33 @@ def test_16_bit_activations(kind: str, dtype: torch.dtype, rows: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["Q4", "Q8"])
+def test_activation_modes(kind: str) -> None:
+    """ "auto": float32 activations exact, 16-bit ones int8; "int8" rounds float32 ones too
+    (exactly the int8 path's arithmetic); "float32" keeps 16-bit ones exact."""
+    blocks = _random_blocks(kind, 48, 576, seed=5)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
+    exact = QuantizedWeight(blocks, kernels, "float32")(x)
+    assert torch.equal(QuantizedWeight(blocks, kernels)(x), exact)
+    int8 = QuantizedWeight(blocks, kernels, "int8")(x)
+    if kernels.quant_linear_uses_int8_activations():
+        ref = _int8_path_reference(x, blocks)
+        torch.testing.assert_close(
+            int8.double(), ref, rtol=1e-6, atol=1e-5 * ref.abs().max().item()
+        )
+        assert not torch.equal(int8, exact)
+    else:
+        assert torch.equal(int8, exact)
+    xb = x.bfloat16()
+    dense = xb.double() @ torch.from_numpy(blocks.dequantize()).double().T
+    out = QuantizedWeight(blocks, kernels, "float32")(xb)
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(out.double(), dense, rtol=eps, atol=1e-5 * dense.abs().max().item())
+    with pytest.raises(ValueError, match="activations must be one of"):
+        QuantizedWeight(blocks, kernels, "int4")
+
+
+@needs_kernels
 def test_bad_inputs_are_rejected() -> None:
     weight = QuantizedWeight(_random_blocks("Q4", 16, 64), kernels)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
