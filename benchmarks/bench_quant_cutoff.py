@@ -7,7 +7,7 @@ order reversed every round, so the machine's drift hits all alike), 64 greedy to
 request (ignore_eos), ShareGPT held-out prompts (repeated when the batch is larger).
 Reported: median output tok/s over the rounds, and each setting's ratio to the first.
 
-Usage: .venv/bin/python benchmarks/bench_quant_cutoff.py [--settings 8,32] \
+Usage: .venv/bin/python benchmarks/bench_quant_cutoff.py [--settings 8,32,32:int8] \
            [--batch-sizes 4,16,32,64] [--rounds 3] [--dtype bfloat16]
 """
 
@@ -28,7 +28,11 @@ def main() -> None:
     from bench_spec_decode import add_dataset_path_arg, checked_dataset_path, sharegpt_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--settings", default="8,32", help="quant_max_tokens values")
+    parser.add_argument(
+        "--settings",
+        default="8,32",
+        help="quant_max_tokens values, each optionally :MODE for quant_activations (32:int8)",
+    )
     parser.add_argument("--batch-sizes", default="4,16,32,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -39,10 +43,11 @@ def main() -> None:
 
     from pagedinfer import LLM, SamplingParams
 
-    settings = [int(x) for x in args.settings.split(",")]
+    settings = args.settings.split(",")
     llms = {
         q: LLM(dtype=args.dtype, max_model_len=2048, kv_cache_memory_bytes=512 * 2**20,
-               log_stats_interval_s=0, quant_max_tokens=q)
+               log_stats_interval_s=0, quant_max_tokens=int(q.split(":")[0]),
+               quant_activations=(q.split(":") + ["auto"])[1])
         for q in settings
     }  # fmt: skip
     base = sharegpt_prompts(llms[settings[0]].get_tokenizer(), 32, args.dataset_path)
@@ -53,7 +58,7 @@ def main() -> None:
     print("|---" * (len(settings) + 1) + "|")
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         batch = [{"prompt_token_ids": base[i % len(base)]} for i in range(bs)]
-        rates: dict[int, list[float]] = {q: [] for q in settings}
+        rates: dict[str, list[float]] = {q: [] for q in settings}
         for r in range(args.rounds):
             for q in settings if r % 2 == 0 else settings[::-1]:
                 start = time.perf_counter()
