@@ -33,6 +33,7 @@ caller keeps its pure-torch path. Torch reference: `attention/torch_ref.py`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -92,15 +93,16 @@ _TIER_CPU_FLAGS = {
 _lock = threading.Lock()
 _modules: dict[str, Any] = {}
 _failures: dict[str, str] = {}
-_announced: set[str] = set()
 
 
 def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
+@functools.cache
 def _cpu_flags() -> str:
-    """The CPU's instruction-set flags: `-march=native` builds for exactly these."""
+    """The CPU's instruction-set flags: `-march=native` builds for exactly these (read once:
+    every `load_cpu_kernels()` call asks)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -189,7 +191,7 @@ def load_cpu_kernels(isa: str | None = None) -> Any | None:
         if isa in _modules or isa in _failures:
             return _modules.get(isa)
         cap = envs.max_cpu_isa()
-        if cap is not None and isa == _ARM_TIER and cap != _ARM_TIER and isa not in _announced:
+        if cap is not None and isa == _ARM_TIER and cap != _ARM_TIER:
             logger.warning("PAGEDINFER_MAX_CPU_ISA=%s ignored: ARM has one tier (NEON).", cap)
         try:
             from torch.utils import cpp_extension
@@ -216,10 +218,8 @@ def load_cpu_kernels(isa: str | None = None) -> Any | None:
         except Exception as exc:  # no compiler, no ninja, a compile error: keep the torch path
             _failures[isa] = f"{type(exc).__name__}: {exc}"
             logger.warning("CPU kernels unavailable (%s); using the torch paths.", _failures[isa])
-        if isa not in _announced:
-            _announced.add(isa)
-            if isa in _modules:
-                logger.info("C++ CPU kernels: tier %s (this CPU: %s).", isa, cpu_isa())
+        if isa in _modules:
+            logger.info("C++ CPU kernels: tier %s (this CPU: %s).", isa, cpu_isa())
         return _modules.get(isa)
 
 

@@ -48,7 +48,6 @@ using pagedinfer::quant::check_activations;
 using pagedinfer::quant::kMaxRows;
 using pagedinfer::quant::run_blocks;
 
-constexpr int64_t kPrefetchBytes = 8192;
 
 #if defined(__AVX512F__)
 constexpr int kW = 16;
@@ -136,7 +135,7 @@ void block(const Activations& a, int64_t r0, const uint8_t* recs, float (*acc)[k
     for (int64_t i = 0; i < kLanes; ++i) acc[r][i] = 0.f;
   for (int64_t sb = 0; sb < num_super; ++sb) {
     const uint8_t* rec = recs + sb * L::kBytes;
-    for (int64_t l = 0; l < L::kBytes; l += 64) __builtin_prefetch(rec + kPrefetchBytes + l, 0, 3);
+    pagedinfer::quant::prefetch_ahead(rec, L::kBytes);
     for (int p = 0; p < kPasses; ++p) {
       const int64_t lane = p * kW * 4;  // this pass's bytes in a 64-byte code vector
       const VF d = load_half(rec + L::kD + p * kW * 2);

@@ -251,7 +251,7 @@ void weighted_sum_avx512(const float* scores, int64_t group, const scalar_t* val
 
 #if !defined(__AVX512F__)
 // 8 float lanes in gcc vector types (AVX2: one ymm; NEON: two q registers).
-typedef float V8 __attribute__((vector_size(32)));
+using V8 = pagedinfer::F8v;
 typedef uint16_t U16x8 __attribute__((vector_size(16)));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
 

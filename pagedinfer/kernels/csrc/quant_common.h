@@ -19,6 +19,14 @@ constexpr int64_t kGroup = 32;  // inputs per activation group (sums, int8 scale
 constexpr int64_t kLanes = 16;  // output features per packed block
 constexpr int kMaxRows = 8;     // activation rows sharing one pass over the weights
                                 // (a verify step of k <= 7 drafts is one pass)
+constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance in the weight stream
+                                          // (measured on 30 layers' weights: ~20 -> ~30 GB/s;
+                                          // from DRAM 12 -> 14 GB/s)
+
+// Asks for the `bytes` of the record kPrefetchBytes ahead of `rec` in a weight stream.
+inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(rec + kPrefetchBytes + l, 0, 3);
+}
 
 // Activations of one call: float32 copy and per-group sums; for the VNNI path also int8
 // codes, their per-group scales and per-group code sums.

@@ -64,10 +64,6 @@ using pagedinfer::quant::check_activations;
 using pagedinfer::quant::kMaxRows;
 using pagedinfer::quant::run_blocks;
 
-constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance in the weight stream
-                                          // (measured on 30 layers' weights: ~20 -> ~30 GB/s;
-                                          // from DRAM 12 -> 14 GB/s)
-
 enum class Format : int64_t { kQ4 = 4, kQ8 = 8 };
 
 template <Format F>
@@ -82,7 +78,7 @@ struct Record {
   // Record g of a feature block's run, asking for the bytes kPrefetchBytes ahead of it.
   static const uint8_t* fetch(const uint8_t* recs, int64_t g) {
     const uint8_t* rec = recs + g * kBytes;
-    for (int64_t l = 0; l < kBytes; l += 64) __builtin_prefetch(rec + kPrefetchBytes + l, 0, 3);
+    pagedinfer::quant::prefetch_ahead(rec, kBytes);
     return rec;
   }
 };
@@ -97,8 +93,8 @@ inline __m512 load_half16(const uint16_t* p) {
 }
 #else
 // 8 float lanes / 8 int32 lanes in gcc's portable vector types (the non-AVX-512 path).
-typedef float F8 __attribute__((vector_size(32)));
-typedef int32_t I8 __attribute__((vector_size(32)));
+using F8 = pagedinfer::F8v;
+using I8 = pagedinfer::I8v;
 
 inline F8 load_half8(const uint16_t* p) {
 #if defined(__F16C__)
