@@ -65,16 +65,18 @@ class ModelConfig:
     only; "torch_ref": the slow pure-torch oracle. "auto" is cpu_paged if the kernels
     build, else cpu_sdpa. With cpu_paged, models also run their norms, RoPE and
     SiLU-and-mul through fused C++ kernels; cpu_sdpa and torch_ref are pure torch."""
-    quant_max_tokens: int = Field(default=32, ge=0)
+    quant_max_tokens: int | None = Field(default=None, ge=0)
     """Steps with at most this many tokens multiply by the GGUF file's own quantised
     matrices (Q4_0/Q4_1/Q5_0/Q8_0, Q4_K/Q5_K/Q6_K, and a quantised LM head) through
     pagedinfer's C++ kernels instead of the dense weights: small-batch decode then reads
     4.5-8.5 bits per weight instead of 16 or 32. The weights are exactly the file's; how
     the activations are taken is `quant_activations`. Larger steps use the dense
-    weights, faster once the product is compute-bound: on the default model the quantised
-    path still won at 32 rows and lost at 64 (docs/benchmarks.md), and 32 keeps a batch-4
-    speculative verify step (16 rows) on the quantised path. Needs the cpu_paged backend's
-    C++ build; 0 disables."""
+    weights, faster once the product is compute-bound. None (the default) is the kernel
+    tier's measured crossover (`worker.default_quant_max_tokens`, docs/benchmarks.md): 32
+    with AVX-512/AMX (bfloat16: the quantised path won at 32 rows and lost at 64; 32 also
+    keeps a batch-4 speculative verify step on it), 64 on AVX2 with float32 activations and
+    128 with int8 ones (dense float32 GEMMs overtake later there). Needs the cpu_paged
+    backend's C++ build; 0 disables."""
     quant_activations: Literal["auto", "float32", "int8"] = "auto"
     """How those quantised products take the activations: "float32" widens the codes and
     multiplies exactly (the dense product up to summation order); "int8" rounds the

@@ -27,6 +27,7 @@ from pagedinfer.distributed.kv_transfer.base import KVConnectorBase, KVConnector
 from pagedinfer.distributed.kv_transfer.base import layer_name as kv_layer_name
 from pagedinfer.distributed.kv_transfer.factory import create_connector
 from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, init_distributed
+from pagedinfer.kernels.cpu import kernel_isa
 from pagedinfer.model.arch_config import ModelArchConfig
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import (
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 _FLOAT_MATRIX_TYPES = frozenset({"F32", "F16", "BF16"})
 """GGUF matrix types that are not quantised."""
 
-__all__ = ["Worker", "resolve_dtype", "kv_cache_bytes_per_block"]
+__all__ = ["Worker", "default_quant_max_tokens", "kv_cache_bytes_per_block", "resolve_dtype"]
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch_ref": TorchRefBackend,
@@ -80,8 +81,26 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(dtype: str) -> torch.dtype:
     if dtype == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        # Held below AVX-512 by PAGEDINFER_MAX_CPU_ISA, the engine runs as it would on such a
+        # CPU: float32, the dtype measured faster there.
+        native = cpu_has_native_bf16() and kernel_isa() in ("avx512", "amx")
+        return torch.bfloat16 if native else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+# The largest step (in rows) for which the quantised kernels beat the dense weights, per kernel
+# tier and activation mode (docs/benchmarks.md, "quant_max_tokens"): on AVX-512 with bfloat16
+# (int8 activations) the quantised path won at 32 rows and lost at 64. On AVX2 (float32
+# models) it won to 64 rows with exact activations (1.14x over 32 there, 0.96x at 128) and
+# still 1.44x at 128 with int8 ones (larger steps not measured). Other tiers (no AVX2, NEON,
+# float32 on AVX-512) are unmeasured and keep 32.
+_QUANT_MAX_TOKENS = {("avx2", False): 64, ("avx2", True): 128}
+_QUANT_MAX_TOKENS_OTHER = 32
+
+
+def default_quant_max_tokens(tier: str, int8_activations: bool) -> int:
+    """`ModelConfig.quant_max_tokens` when left unset, for kernel tier `tier`."""
+    return _QUANT_MAX_TOKENS.get((tier, int8_activations), _QUANT_MAX_TOKENS_OTHER)
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -113,6 +132,8 @@ class Worker:
         """The architecture as this rank holds it: its KV heads and its stage's layers."""
         self.arch: ModelArchConfig | None = None
         self.model: LlamaForCausalLM | None = None
+        self.quant_max_tokens = 0
+        """The largest step run on the quantised matrices (the resolved `quant_max_tokens`)."""
         self.runner: ModelRunner | None = None
         self.kv_connector: KVConnectorBase | None = None
         # A separate draft model (speculative "draft_model" with `model`): arch, model, backend.
@@ -190,11 +211,21 @@ class Worker:
             model = model_class(arch, backend)
         model.load_weights(state_dict)
         del state_dict
-        max_rows = self.config.model_config.quant_max_tokens
-        if max_rows > 0 and isinstance(backend, CpuPagedBackend):
-            blocks = load_quant_blocks(path, arch, wanted)
+        max_rows = 0
+        if isinstance(backend, CpuPagedBackend):
             assert backend.kernel is not None  # the paged backend's C++ build
             activations = self.config.model_config.quant_activations
+            int8 = (
+                activations == "int8" or (activations == "auto" and self.dtype != torch.float32)
+            ) and backend.kernel.quant_linear_uses_int8_activations()
+            wanted_rows = self.config.model_config.quant_max_tokens
+            max_rows = (
+                default_quant_max_tokens(kernel_isa(), int8) if wanted_rows is None else wanted_rows
+            )
+        self.quant_max_tokens = max_rows
+        if max_rows > 0 and isinstance(backend, CpuPagedBackend):
+            assert backend.kernel is not None
+            blocks = load_quant_blocks(path, arch, wanted)
             num_quant = model.load_quantized(
                 blocks,
                 backend.kernel,
@@ -221,11 +252,7 @@ class Worker:
                     "%d matrices%s.",
                     max_rows,
                     num_quant,
-                    " (int8 activations for Q4_0/Q4_1/Q8_0)"
-                    if (activations == "int8" or self.dtype != torch.float32)
-                    and activations != "float32"
-                    and backend.kernel.quant_linear_uses_int8_activations()
-                    else "",
+                    " (int8 activations for Q4_0/Q4_1/Q8_0)" if int8 else "",
                 )
         if self.dtype == torch.bfloat16:
             # oneDNN's own weight layout, once, instead of a reorder in every matmul.

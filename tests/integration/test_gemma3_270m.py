@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
+from pagedinfer.kernels.cpu import kernel_isa
+from pagedinfer.worker.worker import default_quant_max_tokens
 from tests.integration.server_proc import ServerProcess
 
 pytestmark = pytest.mark.integration
@@ -126,8 +129,11 @@ def test_served_in_bf16_to_the_openai_client(server) -> None:
     assert streamed == whole.choices[0].text  # byte-fallback pieces joined in the stream
     # Every matrix (Q5_0 / Q4_K / Q6_K / Q8_0, q/k/v mixed) has a quantised path for small
     # steps: 18 layers x 4 projections and the LM head.
+    # Up to the kernel tier's measured crossover (quant_max_tokens left unset).
     log = server.log()
-    assert "for steps of <= 32 tokens on 73 matrices" in log
+    found = re.search(r"for steps of <= (\d+) tokens on 73 matrices( \(int8)?", log)
+    assert found is not None
+    assert int(found[1]) == default_quant_max_tokens(kernel_isa(), found[2] is not None)
     assert "run dense" not in log
 
 

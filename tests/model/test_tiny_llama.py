@@ -94,7 +94,7 @@ def test_q8_lm_head_close_to_dense_in_bf16(tiny_dir) -> None:
     rel = (quant - dense).abs().max() / dense.abs().max()
     assert rel < 0.02
     assert (quant.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.75
-    cut = llm.llm_engine.engine_core.executor.worker.config.model_config.quant_max_tokens
+    cut = llm.llm_engine.engine_core.executor.worker.quant_max_tokens
     big = torch.randn(cut + 1, 64, generator=g).to(torch.bfloat16)  # above the cut-off: dense
     expected = torch.nn.functional.linear(big, model.embed_tokens.weight).float()
     assert torch.equal(model.compute_logits(big).float(), expected)
