@@ -75,7 +75,8 @@ class ModelConfig:
     tier's measured crossover (`worker.default_quant_max_tokens`, docs/benchmarks.md): 32
     with AVX-512/AMX (bfloat16: the quantised path won at 32 rows and lost at 64; 32 also
     keeps a batch-4 speculative verify step on it), 64 on AVX2 with float32 activations and
-    128 with int8 ones (dense float32 GEMMs overtake later there). Needs the cpu_paged
+    2048 with int8 ones (there the int8 products beat dense float32 at every size measured,
+    up to 1,024 rows). Needs the cpu_paged
     backend's C++ build; 0 disables."""
     quant_activations: Literal["auto", "float32", "int8"] = "auto"
     """How those quantised products take the activations: "float32" widens the codes and
@@ -83,9 +84,9 @@ class ModelConfig:
     activations to int8 per group of 32 and uses integer dot products (AVX512-VNNI, or
     AVX2's vpmaddubsw), as llama.cpp does on every CPU: faster, with a rounding of <= 0.4%
     of each group's largest value; "auto" is int8 for bfloat16/float16 models and float32
-    for float32 ones (which keep greedy parity with transformers). Q4_0/Q4_1/Q8_0 blocks
-    only; Q5_0 and the K-quants always take float32 activations. Where the CPU has no
-    integer dot product, float32."""
+    for float32 ones (which keep greedy parity with transformers). Every format has the
+    int8 path (Q5_0 and the K-quants through AVX2 code, also on AVX-512 CPUs); where the
+    CPU has no integer dot product, float32."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
     adapt_threads: bool = False

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create the peer venvs outside the repo (none of this is a pagedinfer dependency).
-#   benchmarks/peers/install.sh [llamacpp|vllm|all]      (PEERS_DIR=/opt/peers by default)
+#   benchmarks/peers/install.sh [llamacpp|vllm|openvino|all]      (PEERS_DIR=/opt/peers by default)
 # The repo venv (.venv, transformers) serves the Hugging Face peer; nothing to install for it.
 set -euo pipefail
 PEERS_DIR="${PEERS_DIR:-/opt/peers}"
@@ -27,4 +27,11 @@ if [ "$what" = all ] || [ "$what" = llamacpp ]; then
   "$PEERS_DIR/llamacpp/bin/pip" install numpy
   CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$PEERS_DIR/llamacpp/bin/pip" install llama-cpp-python
+fi
+
+if [ "$what" = all ] || [ "$what" = openvino ]; then
+  # Prebuilt wheels (the CPU plugin dispatches per ISA at run time): ~1 minute.
+  "$PY" -m venv "$PEERS_DIR/openvino"
+  "$PEERS_DIR/openvino/bin/pip" install -U pip
+  "$PEERS_DIR/openvino/bin/pip" install openvino-genai==2026.4.1.0 numpy
 fi

@@ -223,8 +223,9 @@ QuantMatrix = QuantBlocks | RawBlocks
 
 # How `QuantizedWeight` multiplies activations (`ModelConfig.quant_activations`): "float32"
 # exact float products; "int8" rounded to int8 per group of 32 where the CPU has an integer
-# dot product (AVX512-VNNI, AVX2), for Q4_0/Q4_1/Q8_0 blocks; "auto" int8 for 16-bit
-# activations, float32 for float32 ones (float32 models keep parity with the dense path).
+# dot product (AVX512-VNNI or AVX2; Q5_0 and the K-quants: AVX2), every format; "auto"
+# int8 for 16-bit activations, float32 for float32 ones (float32 models keep parity with the
+# dense path).
 ACTIVATION_MODES = ("auto", "float32", "int8")
 
 
@@ -263,10 +264,12 @@ def _pack_planes(blocks: RawBlocks) -> np.ndarray:
 
     low = codes & 0x0F
     parts = [words(low[..., 0::2] | (low[..., 1::2] << 4))]  # code 8w + k: nibble k of word w
-    if fmt.bits == 5:  # bit 4 of code 32w + k: bit k of word w
-        parts.append(words(np.packbits(codes >> 4, axis=-1, bitorder="little")))
-    elif fmt.bits == 6:  # bits 4-5 of code 16w + k: bits 2k, 2k + 1 of word w
-        h = (codes >> 4).reshape(rows, nb, size // 4, 4)
+    if fmt.bits == 5:  # bit 4 of code 32v + 8m + 2t + e: bit 8t + 2m + e of word v
+        h = (codes >> 4).reshape(rows, nb, size // 32, 4, 4, 2).swapaxes(-3, -2)  # [.., t, m, e]
+        parts.append(words(np.packbits(h.reshape(rows, nb, size), axis=-1, bitorder="little")))
+    elif fmt.bits == 6:  # bits 4-5 of code 16v + 8m + 2t + e: bits 8t + 4m + 2e, +1 of word v
+        h = (codes >> 4).reshape(rows, nb, size // 16, 2, 4, 2).swapaxes(-3, -2)  # [.., t, m, e]
+        h = h.reshape(rows, nb, size // 4, 4)
         parts.append(words(h[..., 0] | (h[..., 1] << 2) | (h[..., 2] << 4) | (h[..., 3] << 6)))
     for half in (d, dmin):
         if half is not None:
@@ -352,8 +355,6 @@ class QuantizedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in_features] -> [rows, out_features] in x's dtype."""
         x = x.contiguous()
-        if self._format not in (4, 8):  # the planes kernel: float activations only
-            return self._fn(x, self.packed, self._format, self.out_features)
         int8 = self.activations == "int8" or (
             self.activations == "auto" and x.dtype != torch.float32
         )

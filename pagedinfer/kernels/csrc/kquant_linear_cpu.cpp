@@ -8,15 +8,22 @@
 // 6-bit (Q4_K, Q5_K) or int8 (Q6_K) scale; Q5_0: a = d) and m_s = dmin * mn_s (Q4_K, Q5_K
 // only). The kernel multiplies exact codes by float32 activations with float32 sums and
 // applies a_s and m_s once per sub-block, so float32 models equal the dense product up to
-// summation order (greedy parity with the dequantised weights).
+// summation order (greedy parity with the dequantised weights). With int8 activations
+// (AVX2 and up), the activations are rounded per group of 32 as quant_linear_cpu.cpp does
+// and the codes meet them in vpmaddubsw/vpmaddwd integer dot products: exact integer sums
+// per sub-block, scaled in float32.
 //
 // Packed layout ("planes", written by model/quant.py): output features padded to 16, one
 // record per (block of 16 features, super-block), in this order:
 // - kSuper / 8 low vectors of 64 bytes: lane i's int32 word w holds the low 4 bits of
 //   codes 8w..8w+7 of feature 16b+i (code 8w+k in bits 4k..4k+3);
-// - high bits (5-bit: kSuper / 32 vectors, word w holds bit 4 of codes 32w..32w+31 in
-//   bits 0..31; 6-bit: kSuper / 16 vectors, word w holds bits 4-5 of codes 16w..16w+15,
-//   code 16w+k in bits 2k..2k+1);
+// - high bits (5-bit: kSuper / 32 vectors, word v holds bit 4 of codes 32v..32v+31, code
+//   32v + 8m + 2t + e in bit 8t + 2m + e; 6-bit: kSuper / 16 vectors, word v holds bits 4-5
+//   of codes 16v..16v+15, code 16v + 8m + 2t + e in bits 8t + 4m + 2e, +1). So byte t of a
+//   low word holds codes 2t (low nibble) and 2t + 1 (high nibble) of its 8, and byte t of
+//   the high word holds their high bits: one shift and mask lines them up with the nibbles
+//   (the int8 path's vpmaddubsw multiplies such bytes by the activations of the even and of
+//   the odd inputs, prepared in that order);
 // - d as float16 [16]; dmin as float16 [16] (formats with mins);
 // - the sub-block scales as bytes [sub-blocks, 16]; then the mins likewise.
 // That is 4.625 / 5.625 / 6.5625 / 5.5 bits per weight (Q4_K / Q5_K / Q6_K / Q5_0): the
@@ -150,15 +157,16 @@ void block(const Activations& a, int64_t r0, const uint8_t* recs, float (*acc)[k
           const VU lo = load<VU>(rec + w * 64 + lane);
           VU hi{};
           if constexpr (F::kBits == 5)
-            hi = load<VU>(rec + (L::kLow + w / 4) * 64 + lane) >> (8 * (w % 4));
+            hi = load<VU>(rec + (L::kLow + w / 4) * 64 + lane) >> (2 * (w % 4));
           else if constexpr (F::kBits == 6)
-            hi = load<VU>(rec + (L::kLow + w / 2) * 64 + lane) >> (16 * (w % 2));
+            hi = load<VU>(rec + (L::kLow + w / 2) * 64 + lane) >> (4 * (w % 2));
           const int64_t x0 = sb * F::kSuper + 8 * w;
 #pragma GCC unroll 8
           for (int k = 0; k < 8; ++k) {
             VU q = (lo >> (4 * k)) & 15u;
-            if constexpr (F::kBits == 5) q |= ((hi >> k) & 1u) << 4;
-            else if constexpr (F::kBits == 6) q |= ((hi >> (2 * k)) & 3u) << 4;
+            // Code 2t + e of the word: bit(s) at 8t + e (5-bit) or 8t + 2e (6-bit) of hi.
+            if constexpr (F::kBits == 5) q |= ((hi >> (8 * (k >> 1) + (k & 1))) & 1u) << 4;
+            else if constexpr (F::kBits == 6) q |= ((hi >> (8 * (k >> 1) + 2 * (k & 1))) & 3u) << 4;
             VI c = reinterpret_cast<VI>(q);
             if constexpr (F::kZero != 0) c -= F::kZero;
             const VF f = __builtin_convertvector(c, VF);
@@ -187,8 +195,165 @@ void block(const Activations& a, int64_t r0, const uint8_t* recs, float (*acc)[k
   }
 }
 
+// --- int8 activations ---------------------------------------------------------------------
+
+#if defined(__AVX2__)
+constexpr bool kInt8Dot = true;
+#else
+constexpr bool kInt8Dot = false;
+#endif
+
+// The int8 activations in the order the codes' bytes pair them: per 8 inputs, the 4 even
+// ones then the 4 odd ones; and the code sums per 16 inputs (Q6_K's sub-blocks).
+struct PairedActivations {
+  std::vector<int8_t> xp;      // [rows, K]
+  std::vector<int32_t> sum16;  // [rows, K / 16]
+};
+
+inline PairedActivations pair_activations(const Activations& a, int64_t rows) {
+  PairedActivations p;
+  p.xp.resize(static_cast<size_t>(rows * a.K));
+  p.sum16.resize(static_cast<size_t>(rows * a.K / 16));
+  for (int64_t i = 0; i < rows * a.K; i += 8) {
+    for (int64_t t = 0; t < 4; ++t) {
+      p.xp[i + t] = a.xq[i + 2 * t];
+      p.xp[i + 4 + t] = a.xq[i + 2 * t + 1];
+    }
+  }
+  for (int64_t i = 0; i < rows * a.K / 16; ++i) {
+    int32_t total = 0;
+    for (int64_t j = 0; j < 16; ++j) total += a.xq[16 * i + j];
+    p.sum16[i] = total;
+  }
+  return p;
+}
+
+#if defined(__AVX2__)
+// The bits at 8t + `from` of every 32-bit lane moved to 8t + 4 (`from` a constant once the
+// callers' loops are unrolled).
+inline __m256i align_high(__m256i h, int from) {
+  return from <= 4 ? _mm256_slli_epi32(h, 4 - from) : _mm256_srli_epi32(h, from - 4);
+}
+
+// 8 sub-block scales (bytes) -> float32.
+template <bool Signed>
+inline __m256 scales8(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// One 8-lane pass over word w of a super-block: its even and its odd codes as bytes.
 template <class F>
-void block_rows(int R, const Activations& a, int64_t r0, const uint8_t* recs, float (*acc)[kLanes]) {
+inline void codes_of_word(const uint8_t* rec, int64_t lane, int64_t w, __m256i& ev, __m256i& od) {
+  using L = Layout<F>;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + w * 64 + lane));
+  ev = _mm256_and_si256(v, nibble);
+  od = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  if constexpr (F::kBits == 5) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (L::kLow + w / 4) * 64 + lane));
+    const __m256i bit = _mm256_set1_epi8(0x10);
+    const int from = static_cast<int>(2 * (w % 4));
+    ev = _mm256_or_si256(ev, _mm256_and_si256(align_high(h, from), bit));
+    od = _mm256_or_si256(od, _mm256_and_si256(align_high(h, from + 1), bit));
+  } else if constexpr (F::kBits == 6) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (L::kLow + w / 2) * 64 + lane));
+    const __m256i bits = _mm256_set1_epi8(0x30);
+    const int from = static_cast<int>(4 * (w % 2));
+    ev = _mm256_or_si256(ev, _mm256_and_si256(align_high(h, from), bits));
+    od = _mm256_or_si256(od, _mm256_and_si256(align_high(h, from + 2), bits));
+  }
+}
+
+// Sub-block s of one super-block, one 8-lane pass: dot[r] = the integer dot products of
+// its codes (unsigned, zero point not yet taken off) with row r0 + r's int8 activations
+// (`x` at the super-block's first input of row r0). vpmaddubsw pairs stay in 16 bits for
+// as many words as cannot overflow (per word <= 2 x 2 x 15 x 127 with 4-bit codes: 4
+// words; 5-bit: 2; 6-bit: 1), then vpmaddwd widens them.
+template <class F, int R>
+inline void sub_block_dots(const uint8_t* rec, int64_t lane, int64_t s, const int8_t* x,
+                           int64_t K, __m256i (&dot)[R]) {
+  constexpr int64_t kWords = F::kSub / 8, kRun = F::kBits == 4 ? 4 : F::kBits == 5 ? 2 : 1;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s16[R];
+  for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int64_t m = 0; m < kWords; ++m) {
+    const int64_t w = s * kWords + m;
+    __m256i ev, od;
+    codes_of_word<F>(rec, lane, w, ev, od);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xd = reinterpret_cast<const int32_t*>(x + r * K + 8 * w);
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ev, _mm256_set1_epi32(xd[0])),
+                                         _mm256_maddubs_epi16(od, _mm256_set1_epi32(xd[1])));
+      s16[r] = m % kRun == 0 ? p : _mm256_add_epi16(s16[r], p);
+      if (m % kRun == kRun - 1 || m == kWords - 1)
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
+    }
+  }
+}
+
+template <class F, int R>
+void block_int8(const Activations& a, const PairedActivations& p, int64_t r0, const uint8_t* recs,
+                float (*acc)[kLanes]) {
+  using L = Layout<F>;
+  const int64_t K = a.K, G = a.G, num_super = K / F::kSuper;
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kLanes; ++i) acc[r][i] = 0.f;
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* rec = recs + sb * L::kBytes;
+    pagedinfer::quant::prefetch_ahead(rec, L::kBytes);
+    const int8_t* x = p.xp.data() + r0 * K + sb * F::kSuper;
+    for (int64_t pass = 0; pass < 2; ++pass) {
+      const int64_t lane = pass * 32;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L::kD + pass * 16)));
+      __m256 dmin = _mm256_setzero_ps();
+      if constexpr (F::kMins)
+        dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L::kDmin + pass * 16)));
+      for (int64_t sub = 0; sub < L::kNumSub; ++sub) {
+        __m256i dot[R];
+        sub_block_dots<F, R>(rec, lane, sub, x, K, dot);
+        __m256 scale = d, min = _mm256_setzero_ps();
+        if constexpr (F::kSubScales)
+          scale = _mm256_mul_ps(d, scales8<F::kSignedScales>(rec + L::kSc + sub * 16 + pass * 8));
+        if constexpr (F::kMins)
+          min = _mm256_mul_ps(dmin, scales8<false>(rec + L::kMn + sub * 16 + pass * 8));
+        const int64_t first = sb * F::kSuper + sub * F::kSub, g = first / kGroup;
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = r0 + r;
+          // The zero point: kZero times the sum of the sub-block's int8 activations.
+          const int32_t xs = F::kSub == 16 ? p.sum16[row * (K / 16) + first / 16] : a.xqsum[row * G + g];
+          const __m256i exact = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(F::kZero * xs));
+          __m256 total = _mm256_loadu_ps(acc[r] + 8 * pass);
+          total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact),
+                                  _mm256_mul_ps(scale, _mm256_set1_ps(a.xscale[row * G + g])), total);
+          if constexpr (F::kMins)
+            total = _mm256_fnmadd_ps(min, _mm256_set1_ps(a.xsum[row * G + g]), total);
+          _mm256_storeu_ps(acc[r] + 8 * pass, total);
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <class F>
+void block_rows(int R, const Activations& a, const PairedActivations* paired, int64_t r0,
+                const uint8_t* recs, float (*acc)[kLanes]) {
+#if defined(__AVX2__)
+  if (paired != nullptr) {
+    switch (R) {
+      case 1: return block_int8<F, 1>(a, *paired, r0, recs, acc);
+      case 2: return block_int8<F, 2>(a, *paired, r0, recs, acc);
+      case 3: return block_int8<F, 3>(a, *paired, r0, recs, acc);
+      case 4: return block_int8<F, 4>(a, *paired, r0, recs, acc);
+      case 5: return block_int8<F, 5>(a, *paired, r0, recs, acc);
+      case 6: return block_int8<F, 6>(a, *paired, r0, recs, acc);
+      case 7: return block_int8<F, 7>(a, *paired, r0, recs, acc);
+      default: return block_int8<F, 8>(a, *paired, r0, recs, acc);
+    }
+  }
+#endif
   switch (R) {
     case 1: return block<F, 1>(a, r0, recs, acc);
     case 2: return block<F, 2>(a, r0, recs, acc);
@@ -202,7 +367,8 @@ void block_rows(int R, const Activations& a, int64_t r0, const uint8_t* recs, fl
 }
 
 template <class F>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                  bool int8_activations) {
   using L = Layout<F>;
   check_activations(x);
   const int64_t K = x.size(1);
@@ -212,28 +378,35 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t o
               "packed weights must be contiguous uint8 [blocks, in / ", F::kSuper, ", ",
               L::kBytes, "]");
   std::vector<float> scratch;
-  const Activations a = prepare_activations(x, /*int8=*/false, scratch);
+  const bool int8 = kInt8Dot && int8_activations;
+  const Activations a = prepare_activations(x, int8, scratch);
+  PairedActivations paired;
+  if (int8) paired = pair_activations(a, x.size(0));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const int64_t block_bytes = (K / F::kSuper) * L::kBytes;
   return run_blocks(x, packed.size(0), out_features, [&](int R, int64_t r0, int64_t b, float (*acc)[kLanes]) {
-    block_rows<F>(R, a, r0, pp + b * block_bytes, acc);
+    block_rows<F>(R, a, int8 ? &paired : nullptr, r0, pp + b * block_bytes, acc);
   });
 }
 
 }  // namespace
 
 // y = x @ W.T with W packed by model/quant.py in the "planes" layout above; format is the
-// GGUF type id: 6 (Q5_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K).
+// GGUF type id: 6 (Q5_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K). int8_activations: round x per
+// group of 32 to int8 where this build has the integer path (AVX2), else float32.
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
-                            int64_t out_features) {
+                            int64_t out_features, bool int8_activations) {
   switch (format) {
-    case 6: return run<FmtQ5_0>(x, packed, out_features);
-    case 12: return run<FmtQ4_K>(x, packed, out_features);
-    case 13: return run<FmtQ5_K>(x, packed, out_features);
-    case 14: return run<FmtQ6_K>(x, packed, out_features);
+    case 6: return run<FmtQ5_0>(x, packed, out_features, int8_activations);
+    case 12: return run<FmtQ4_K>(x, packed, out_features, int8_activations);
+    case 13: return run<FmtQ5_K>(x, packed, out_features, int8_activations);
+    case 14: return run<FmtQ6_K>(x, packed, out_features, int8_activations);
     default: TORCH_CHECK(false, "unknown K-quant format ", format, " (6, 12, 13 or 14)");
   }
 }
+
+// Whether kquant_linear has an int8-activation path in this build (AVX2 and up).
+bool kquant_linear_uses_int8_activations() { return kInt8Dot; }
 
 // Record bytes of one (16 features, super-block) record of a format (for the packer's check).
 int64_t kquant_record_bytes(int64_t format) {

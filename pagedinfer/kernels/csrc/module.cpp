@@ -15,7 +15,8 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t format
                            int64_t out_features, bool int8_activations);
 bool quant_linear_uses_int8_activations();
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, int64_t format,
-                            int64_t out_features);
+                            int64_t out_features, bool int8_activations);
+bool kquant_linear_uses_int8_activations();
 int64_t kquant_record_bytes(int64_t format);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool prefill_attention_available();
@@ -38,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether quant_linear has an int8-activation path here (AVX512-VNNI or AVX2)");
   m.def("kquant_linear", &kquant_linear,
         "x @ W.T, W in packed Q5_0/Q4_K/Q5_K/Q6_K planes (model/quant.py); format: GGUF type id");
+  m.def("kquant_linear_uses_int8_activations", &kquant_linear_uses_int8_activations,
+        "Whether kquant_linear has an int8-activation path here (AVX2)");
   m.def("kquant_record_bytes", &kquant_record_bytes,
         "Bytes of one (16 features, super-block) record of a K-quant format");
   m.def("prefill_attention_available", &prefill_attention_available,

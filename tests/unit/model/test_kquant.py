@@ -109,15 +109,70 @@ def test_float32_activations_equal_the_dense_product(kind: str, shape, rows: int
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_activations(kind: str, dtype: torch.dtype) -> None:
-    """16-bit activations widen exactly to float32: the same sums, one final rounding."""
+    """16-bit activations taken as float32 widen exactly: the same sums, one final rounding.
+    By default ("auto") they are rounded to int8 where the build has the integer path."""
     blocks = random_raw(kind, 48, 512, seed=3)
-    weight = QuantizedWeight(blocks, kernels)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4)).to(dtype)
-    out = weight(x)
+    out = QuantizedWeight(blocks, kernels, "float32")(x)
     assert out.dtype == dtype
     ref = x.double() @ torch.from_numpy(blocks.dequantize()).double().T
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(out.double(), ref, rtol=eps, atol=1e-5 * ref.abs().max().item())
+    auto = QuantizedWeight(blocks, kernels)(x)
+    if kernels.kquant_linear_uses_int8_activations():
+        ref = int8_path_reference(x, blocks)
+    torch.testing.assert_close(auto.double(), ref, rtol=eps, atol=1e-5 * ref.abs().max().item())
+
+
+def int8_path_reference(x: torch.Tensor, blocks: RawBlocks) -> torch.Tensor:
+    """What the int8 path computes: per group of 32, x codes = round-half-even(x * 127 /
+    max|x|); per sub-block, the exact integer dot product of those codes with the weight
+    codes less the zero point, times the sub-block scale and the group's x scale; less the
+    sub-block min times the group's float sum of x."""
+    fmt = blocks.format
+    codes, d, dmin, scales, mins = blocks.unpack()
+    zero = {"Q5_0": 16, "Q6_K": 32}.get(blocks.kind, 0)
+    n, nb, size = codes.shape
+    xf = x.float().numpy()
+    rows, cols = xf.shape
+    g = xf.reshape(rows, cols // 32, 32)
+    amax = np.abs(g).max(axis=2, keepdims=True)
+    inv = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)
+    xq = np.rint(g * inv).astype(np.int64)
+    xscale = (amax / np.float32(127.0)).astype(np.float64)[..., 0]  # [rows, groups]
+    per_sub = size // fmt.sub
+    q = (codes.astype(np.int64) - zero).reshape(n, nb, per_sub, fmt.sub)
+    dots = np.einsum("rbsk,nbsk->rnbs", xq.reshape(rows, nb, per_sub, fmt.sub), q)
+    sub_scale = d.astype(np.float64)[..., None] * scales.astype(np.float64)  # [n, nb, subs]
+    x_scale = np.repeat(xscale, 32 // fmt.sub, axis=1).reshape(rows, nb, per_sub)
+    out = np.einsum("rnbs,nbs,rbs->rn", dots.astype(np.float64), sub_scale, x_scale)
+    if mins is not None:
+        assert dmin is not None and fmt.sub == 32
+        sub_min = dmin.astype(np.float64)[..., None] * mins.astype(np.float64)
+        sums = g.astype(np.float64).sum(axis=2).reshape(rows, nb, per_sub)
+        out -= np.einsum("nbs,rbs->rn", sub_min, sums)
+    return torch.from_numpy(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_int8_activations_are_the_integer_path(kind: str, rows: int) -> None:
+    """quant_activations="int8": exactly the integer arithmetic above (float32 sums of the
+    sub-blocks' terms), within int8 rounding of the dense product; without the integer
+    path, the float32 one."""
+    blocks = random_raw(kind, 40, 768, seed=10 + rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    out = QuantizedWeight(blocks, kernels, "int8")(x)
+    exact = QuantizedWeight(blocks, kernels, "float32")(x)
+    if not kernels.kquant_linear_uses_int8_activations():
+        assert torch.equal(out, exact)
+        return
+    ref = int8_path_reference(x, blocks)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-5 * ref.abs().max().item())
+    assert not torch.equal(out, exact)
+    dense = x.double() @ torch.from_numpy(blocks.dequantize()).double().T
+    assert ((out.double() - dense).abs().max() / dense.abs().max()).item() < 2e-2
 
 
 @needs_kernels
@@ -147,4 +202,4 @@ def test_bad_inputs_are_rejected() -> None:
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         weight(torch.zeros(1, 256, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="unknown K-quant format 7"):
-        kernels.kquant_linear(torch.zeros(1, 256), weight.packed, 7, 16)
+        kernels.kquant_linear(torch.zeros(1, 256), weight.packed, 7, 16, False)
