@@ -107,7 +107,9 @@ def _descendants_hwm_mb() -> float:
 
 
 def emit(result: dict) -> None:
-    """Add memory figures and print the single JSON result line to stdout."""
+    """Add memory figures and print the single JSON result line to stdout, with the fields of
+    $BENCH_TAGS (a JSON object: benchmarks/run_all.sh names the model, round and pair)."""
+    result.update(json.loads(os.environ.get("BENCH_TAGS") or "{}"))
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     children = max(
         _descendants_hwm_mb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

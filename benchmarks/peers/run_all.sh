@@ -17,6 +17,8 @@ run() {  # name, command...
   "$@" 2> "$PEERS_WORK/$name.log" | tee -a "$OUT"
 }
 run vllm-bf16 "$ROOT/benchmarks/peers/run_vllm.sh" --num-requests "$N"
+run openvino-q4_1 /opt/peers/openvino/bin/python "$ROOT/benchmarks/peers/openvino_bench.py" \
+  --num-requests "$N"
 run llamacpp-q4_1 /opt/peers/llamacpp/bin/python "$ROOT/benchmarks/peers/llamacpp_bench.py" \
   --num-requests "${LLAMACPP_REQUESTS:-50}"
 for dtype in bfloat16 float32; do
