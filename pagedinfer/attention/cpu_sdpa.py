@@ -127,6 +127,9 @@ class CpuSdpaMetadata:
     chunks: list[_Chunk]
     paged_decodes: _PagedDecodes | None = None
     paged_prefills: _PagedPrefills | None = None
+    decodes_only: bool = False
+    """Every row of the step is a decode the paged kernel takes, in request order (the
+    steady decode batch): forward skips the SDPA machinery."""
     common: CommonAttentionMetadata | None = None
     """Kept when `chunks` was left empty for the prefill kernel, to build them if the
     kernel turns out not to apply (a dtype other than bfloat16, a windowed layer)."""
@@ -363,6 +366,9 @@ class CpuPagedBackend(CpuSdpaBackend):
                 seq_lens=common.seq_lens[reqs].to(torch.int32).contiguous(),
                 contiguous_start=_contiguous_start(rows),
             )
+            metadata.decodes_only = (
+                len(decode_reqs) == common.num_reqs and metadata.paged_decodes.contiguous_start == 0
+            )
         return metadata
 
     def forward(
@@ -374,6 +380,23 @@ class CpuPagedBackend(CpuSdpaBackend):
         metadata: CpuSdpaMetadata,
         options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
+        paged = metadata.paged_decodes
+        if metadata.decodes_only:
+            # The steady decode batch: one C++ call writes the new K/V and attends for every
+            # row; no output buffer to scatter into (86 -> ~45 us per layer at batch 1).
+            assert paged is not None
+            return self.kernel.paged_decode_step(
+                query,
+                kv_cache,
+                key,
+                value,
+                metadata.slot_mapping,
+                paged.block_table,
+                paged.seq_lens,
+                self.scale,
+                options.sliding_window or 0,  # 0: no window
+                options.logits_soft_cap or 0.0,  # 0: no cap
+            )  # [n, heads, dim]
         prefills = metadata.paged_prefills
         if prefills is not None and (query.dtype != torch.bfloat16 or not options.is_plain):
             # The prefill kernel takes neither this dtype nor a window or a soft cap: this
@@ -396,7 +419,6 @@ class CpuPagedBackend(CpuSdpaBackend):
                 prefills.seq_lens,
                 self.scale,
             )
-        paged = metadata.paged_decodes
         if paged is not None:
             n = paged.seq_lens.shape[0]
             q = _take_rows(query, paged.contiguous_start, paged.token_idx, n)

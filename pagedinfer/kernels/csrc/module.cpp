@@ -5,6 +5,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                      torch::Tensor value_cache, torch::Tensor block_table,
                                      torch::Tensor seq_lens, double scale, int64_t sliding_window,
                                      double soft_cap);
+torch::Tensor paged_decode_step(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor key,
+                                torch::Tensor value, torch::Tensor slot_mapping,
+                                torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                                int64_t sliding_window, double soft_cap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -28,6 +32,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention (CPU); sliding_window and soft_cap: 0 = off");
+  m.def("paged_decode_step", &paged_decode_step,
+        "Write the new K/V rows into their slots, then paged decode attention (every row a decode)");
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside, one rounding");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "In place: residual = x + residual; x = rms_norm(residual)");

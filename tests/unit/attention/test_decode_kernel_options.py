@@ -223,3 +223,37 @@ def test_long_contexts_split_into_parts_match_reference(threads, dtype, head_dim
         torch.testing.assert_close(_decode(*alone).float(), expected, atol=atol, rtol=0)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_writes_the_new_rows_then_attends(dtype: torch.dtype) -> None:
+    """paged_decode_step (the steady decode batch's one call per layer) equals writing the
+    rows' K/V into their slots, then paged_decode_attention; key/value may be row-strided
+    views of a fused projection, as the model passes them."""
+    seq_lens = [5, 37, 16]
+    query, key_cache, value_cache, table, lens = _paged_case(seq_lens, 6, 2, 32, 16, dtype)
+    kv_cache = torch.stack([key_cache, value_cache])
+    qkv = torch.randn(3, (6 + 2 + 2) * 32).to(dtype)  # [rows, q | k | v], as qkv_proj makes it
+    key = qkv[:, 192:256].view(3, 2, 32)
+    value = qkv[:, 256:].view(3, 2, 32)
+    # Each request's last position: block seq_len // 16 of its table, offset seq_len % 16.
+    last = torch.tensor(seq_lens) - 1
+    slots = (table[torch.arange(3), last // 16].long() * 16 + last % 16).contiguous()
+    want_cache = kv_cache.clone()
+    want_cache[0].view(-1, 2, 32).index_copy_(0, slots, key)
+    want_cache[1].view(-1, 2, 32).index_copy_(0, slots, value)
+    want = _kernels.paged_decode_attention(
+        query, want_cache[0], want_cache[1], table, lens, 32**-0.5, 0, 0.0
+    )
+    got = _kernels.paged_decode_step(
+        query, kv_cache, key, value, slots, table, lens, 32**-0.5, 0, 0.0
+    )
+    assert torch.equal(kv_cache, want_cache)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        bad = torch.tensor([0, 1, kv_cache.shape[1] * 16])
+        _kernels.paged_decode_step(query, kv_cache, key, value, bad, table, lens, 0.1, 0, 0.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        _kernels.paged_decode_step(
+            query, kv_cache, key, value, slots.int(), table, lens, 0.1, 0, 0.0
+        )
