@@ -295,7 +295,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.rotary_local: RotaryEmbedding | None = None
         """The sliding layers' RoPE tables, when they have a base of their own (Gemma 3)."""
-        self.build_rotary(config.max_position_embeddings)
+        if torch.empty(()).device.type != "meta":
+            self.build_rotary(config.max_position_embeddings)
+        # On the meta device (the worker's build) the tables would be meta tensors, and the
+        # first meta op costs ~1 s of torch imports: the worker builds them for real once
+        # max_model_len is settled (Worker._build_rotary).
         self.lm_head_quant: QuantizedWeight | None = None
         self.lm_head_quant_max_rows = 0
         self.lm_head: nn.Linear | None = None
