@@ -76,8 +76,7 @@ class ModelConfig:
     with AVX-512/AMX (bfloat16: the quantised path won at 32 rows and lost at 64; 32 also
     keeps a batch-4 speculative verify step on it), 64 on AVX2 with float32 activations and
     2048 with int8 ones (there the int8 products beat dense float32 at every size measured,
-    up to 1,024 rows). Needs the cpu_paged
-    backend's C++ build; 0 disables."""
+    up to 1,024 rows). Needs the cpu_paged backend's C++ build; 0 disables."""
     quant_activations: Literal["auto", "float32", "int8"] = "auto"
     """How those quantised products take the activations: "float32" widens the codes and
     multiplies exactly (the dense product up to summation order); "int8" rounds the

@@ -213,24 +213,23 @@ class Worker:
             model = model_class(arch, backend)
         model.load_weights(state_dict)
         del state_dict
+        kernels = backend.kernel if isinstance(backend, CpuPagedBackend) else None
         max_rows = 0
-        if isinstance(backend, CpuPagedBackend):
-            assert backend.kernel is not None  # the paged backend's C++ build
+        if kernels is not None:  # the paged backend's C++ build
             activations = self.config.model_config.quant_activations
             int8 = (
                 activations == "int8" or (activations == "auto" and self.dtype != torch.float32)
-            ) and backend.kernel.quant_linear_uses_int8_activations()
+            ) and kernels.quant_linear_uses_int8_activations()
             wanted_rows = self.config.model_config.quant_max_tokens
             max_rows = (
                 default_quant_max_tokens(kernel_isa(), int8) if wanted_rows is None else wanted_rows
             )
         self.quant_max_tokens = max_rows
-        if max_rows > 0 and isinstance(backend, CpuPagedBackend):
-            assert backend.kernel is not None
+        if kernels is not None and max_rows > 0:
             blocks = load_quant_blocks(path, arch, wanted)
             num_quant = model.load_quantized(
                 blocks,
-                backend.kernel,
+                kernels,
                 max_rows,
                 quantize_lm_head=self.dtype != torch.float32,
                 activations=activations,

@@ -197,30 +197,32 @@ void block(const Activations& a, int64_t r0, const uint8_t* recs, float (*acc)[k
 
 // --- int8 activations ---------------------------------------------------------------------
 
-#if defined(__AVX2__)
+// AVX2 for the integer dot products, F16C for the float16 scales (every AVX2 tier has it).
+#if defined(__AVX2__) && defined(__F16C__)
+#define PAGEDINFER_KQUANT_INT8 1
 constexpr bool kInt8Dot = true;
 #else
 constexpr bool kInt8Dot = false;
 #endif
 
 // The int8 activations in the order the codes' bytes pair them: per 8 inputs, the 4 even
-// ones then the 4 odd ones; and the code sums per 16 inputs (Q6_K's sub-blocks).
+// ones then the 4 odd ones; and, with sub-blocks of 16 (Q6_K), the code sums per 16 inputs.
 struct PairedActivations {
   std::vector<int8_t> xp;      // [rows, K]
   std::vector<int32_t> sum16;  // [rows, K / 16]
 };
 
-inline PairedActivations pair_activations(const Activations& a, int64_t rows) {
+inline PairedActivations pair_activations(const Activations& a, int64_t rows, bool sums16) {
   PairedActivations p;
   p.xp.resize(static_cast<size_t>(rows * a.K));
-  p.sum16.resize(static_cast<size_t>(rows * a.K / 16));
+  if (sums16) p.sum16.resize(static_cast<size_t>(rows * a.K / 16));
   for (int64_t i = 0; i < rows * a.K; i += 8) {
     for (int64_t t = 0; t < 4; ++t) {
       p.xp[i + t] = a.xq[i + 2 * t];
       p.xp[i + 4 + t] = a.xq[i + 2 * t + 1];
     }
   }
-  for (int64_t i = 0; i < rows * a.K / 16; ++i) {
+  for (int64_t i = 0; i < static_cast<int64_t>(p.sum16.size()); ++i) {
     int32_t total = 0;
     for (int64_t j = 0; j < 16; ++j) total += a.xq[16 * i + j];
     p.sum16[i] = total;
@@ -228,7 +230,7 @@ inline PairedActivations pair_activations(const Activations& a, int64_t rows) {
   return p;
 }
 
-#if defined(__AVX2__)
+#if defined(PAGEDINFER_KQUANT_INT8)
 // The bits at 8t + `from` of every 32-bit lane moved to 8t + 4 (`from` a constant once the
 // callers' loops are unrolled).
 inline __m256i align_high(__m256i h, int from) {
@@ -340,30 +342,28 @@ void block_int8(const Activations& a, const PairedActivations& p, int64_t r0, co
 template <class F>
 void block_rows(int R, const Activations& a, const PairedActivations* paired, int64_t r0,
                 const uint8_t* recs, float (*acc)[kLanes]) {
-#if defined(__AVX2__)
-  if (paired != nullptr) {
-    switch (R) {
-      case 1: return block_int8<F, 1>(a, *paired, r0, recs, acc);
-      case 2: return block_int8<F, 2>(a, *paired, r0, recs, acc);
-      case 3: return block_int8<F, 3>(a, *paired, r0, recs, acc);
-      case 4: return block_int8<F, 4>(a, *paired, r0, recs, acc);
-      case 5: return block_int8<F, 5>(a, *paired, r0, recs, acc);
-      case 6: return block_int8<F, 6>(a, *paired, r0, recs, acc);
-      case 7: return block_int8<F, 7>(a, *paired, r0, recs, acc);
-      default: return block_int8<F, 8>(a, *paired, r0, recs, acc);
-    }
-  }
+#if defined(PAGEDINFER_KQUANT_INT8)
+#define PAGEDINFER_INT8_ROWS(N) if (paired != nullptr) return block_int8<F, N>(a, *paired, r0, recs, acc);
+#else
+#define PAGEDINFER_INT8_ROWS(N)
 #endif
+#define PAGEDINFER_ROWS(N)  \
+  case N:                   \
+    PAGEDINFER_INT8_ROWS(N) \
+    return block<F, N>(a, r0, recs, acc);
   switch (R) {
-    case 1: return block<F, 1>(a, r0, recs, acc);
-    case 2: return block<F, 2>(a, r0, recs, acc);
-    case 3: return block<F, 3>(a, r0, recs, acc);
-    case 4: return block<F, 4>(a, r0, recs, acc);
-    case 5: return block<F, 5>(a, r0, recs, acc);
-    case 6: return block<F, 6>(a, r0, recs, acc);
-    case 7: return block<F, 7>(a, r0, recs, acc);
-    default: return block<F, 8>(a, r0, recs, acc);
+    PAGEDINFER_ROWS(1)
+    PAGEDINFER_ROWS(2)
+    PAGEDINFER_ROWS(3)
+    PAGEDINFER_ROWS(4)
+    PAGEDINFER_ROWS(5)
+    PAGEDINFER_ROWS(6)
+    PAGEDINFER_ROWS(7)
+    default:
+      PAGEDINFER_ROWS(8)
   }
+#undef PAGEDINFER_ROWS
+#undef PAGEDINFER_INT8_ROWS
 }
 
 template <class F>
@@ -381,7 +381,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t o
   const bool int8 = kInt8Dot && int8_activations;
   const Activations a = prepare_activations(x, int8, scratch);
   PairedActivations paired;
-  if (int8) paired = pair_activations(a, x.size(0));
+  if (int8) paired = pair_activations(a, x.size(0), F::kSub == 16);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const int64_t block_bytes = (K / F::kSuper) * L::kBytes;
   return run_blocks(x, packed.size(0), out_features, [&](int R, int64_t r0, int64_t b, float (*acc)[kLanes]) {

@@ -604,8 +604,9 @@ torch::Tensor paged_decode_step(torch::Tensor query, torch::Tensor kv_cache, tor
   auto* vc = kc + num_slots * row * elem;
   const auto* kp = static_cast<const uint8_t*>(key.data_ptr());
   const auto* vp = static_cast<const uint8_t*>(value.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i)  // every slot checked before any row is written
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " outside the cache");
+  for (int64_t i = 0; i < n; ++i) {
     std::memcpy(kc + sp[i] * row * elem, kp + i * key.stride(0) * elem, row * elem);
     std::memcpy(vc + sp[i] * row * elem, vp + i * value.stride(0) * elem, row * elem);
   }
