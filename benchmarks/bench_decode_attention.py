@@ -9,7 +9,7 @@ every K and V row each request attends to, once (the kernel's minimum); block ta
 redrawn between calls so each call reads from DRAM.
 
     .venv/bin/python benchmarks/bench_decode_attention.py [--dtype float32] \
-        [--cases 1x1000,1x4000,1x16000,8x1000,200x300] [--out a.json]
+        [--kv-cache-dtype int8] [--cases 1x1000,1x4000,1x16000,8x1000,200x300] [--out a.json]
 """
 
 from __future__ import annotations
@@ -26,13 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
-            dtype: torch.dtype, block_size: int = 16, min_s: float = 1.0) -> dict:  # fmt: skip
+            dtype: torch.dtype, block_size: int = 16, min_s: float = 1.0,
+            kv_int8: bool = False) -> dict:  # fmt: skip
     blocks_per_req = -(-ctx // block_size)
     num_blocks = max(reqs * blocks_per_req, (1 << 30) // (block_size * kv_heads * head_dim * 4))
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    moved = 2 * reqs * ctx * kv_heads * head_dim * kc.element_size()
+    if kv_int8:  # rows of int8 codes and their scale (attention/kv_quant.py)
+        from pagedinfer.attention.kv_quant import quantize_rows
+
+        kc, vc = quantize_rows(kc), quantize_rows(vc)
+    moved = 2 * reqs * ctx * kv_heads * kc.shape[-1] * kc.element_size()
     # Block tables drawn afresh, enough of them that the calls read ~512 MB between two
     # uses of one table: every call reads from DRAM, not from a cache the last call filled.
     tables = [
@@ -60,6 +65,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="auto: the cache in --dtype; int8: int8 rows (bytes counted as such)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from benchmarks.ceilings import cpu_facts
@@ -68,13 +79,15 @@ def main() -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
         sys.exit("the C++ kernels cannot be built here")
-    facts = {**cpu_facts(), "kernel_tier": kernel_isa(), "dtype": args.dtype}
+    facts = {**cpu_facts(), "kernel_tier": kernel_isa(), "dtype": args.dtype,
+             "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
     print(json.dumps(facts))
     rows = []
     for case in args.cases.split(","):
         reqs, ctx = (int(x) for x in case.split("x"))
+        int8 = args.kv_cache_dtype == "int8"
         row = measure(kernels, reqs, ctx, args.heads, args.kv_heads, args.head_dim,
-                      getattr(torch, args.dtype))  # fmt: skip
+                      getattr(torch, args.dtype), kv_int8=int8)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

@@ -7,7 +7,9 @@ tokens (`seq_lens = num_computed_tokens + num_scheduled_tokens`), causally, with
 `seq_lens[r] - query_len[r]`. A prefill, a prefill chunk over a cached prefix and a decode
 are all that one case.
 
-KV layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V).
+KV layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), in
+the model's dtype; an int8 cache (`kv_cache_dtype="int8"`, attention/kv_quant.py) has rows of
+head_dim + 4: the codes, then the row's float32 scale.
 Token at position p of request r lives in slot
 `block_table[r, p // block_size] * block_size + p % block_size`; `slot_mapping` holds that
 slot for every new token, and the backend writes the new K/V there before attending.
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedinfer.attention.kv_quant import is_quantized_cache, quantize_rows
 
 __all__ = [
     "FULL_ATTENTION",
@@ -126,7 +130,8 @@ class AttentionBackend(ABC):
         the layer's `options`).
 
         query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
-        head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
+        head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (int8:
+        head_dim + 4, see attention/kv_quant.py).
         Returns [num_tokens, num_heads, head_dim].
         """
 
@@ -142,8 +147,10 @@ def flat_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter the new tokens' K/V into their cache slots."""
-    key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
+    """Scatter the new tokens' K/V into their cache slots (quantised for an int8 cache)."""
+    key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, row]
+    if is_quantized_cache(kv_cache):
+        key, value = quantize_rows(key), quantize_rows(value)
     # Padding slots (-1) never occur in our batches (no CUDA-graph padding on CPU); callers
     # that pad must drop those rows first. index_copy_ raises on a negative index.
     key_cache.index_copy_(0, slot_mapping, key)

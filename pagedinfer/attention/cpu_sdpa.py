@@ -11,18 +11,23 @@ The batch is split, once per step in `build()`, into three kinds of request:
 - prefill chunks over a cached prefix: gather the request's context, SDPA with a causal
   mask shifted by the cached length.
 When the C++ kernels (`kernels/cpu.py`) are available, `CpuPagedBackend` (the default)
-uses them instead: decodes go through the paged decode kernel, one call per layer that reads
-K/V in place through the block table with no gathered copy; and, for bfloat16 models on a
-CPU with AMX, prefills and chunks go through the paged prefill kernel, likewise one call per
-layer for all of them (2-6x faster than the gather + masked SDPA above on the chunk shapes
-of docs/benchmarks.md, where a chunk over a cached prefix was the slowest part of a step).
+uses them instead for everything that reads the cache: one `paged_attention` call per layer
+takes the decodes and the chunks over a cached prefix, reading K/V in place through the
+block table (no gathered copy; tiles of query rows share each K/V row read, the context split
+across threads when there are few tiles) on every tier, and from an int8 cache as from a
+float one; fresh prefills stay on SDPA over this step's K/V (nothing to read from the cache).
+On a CPU with AMX, bfloat16 layers without options send every multi-row request through the
+AMX prefill kernel instead (2-6x faster than gather + masked SDPA on the chunk shapes of
+docs/benchmarks.md).
 A layer with a sliding window or a soft cap (`AttentionOptions`) takes the same paths with its
 own masks (built on its first call of the step, then shared by the layers with the same
 options): a window masks, and a chunk's context is gathered only from the window's first key
 on. SDPA has no soft cap, so capped layers compute the scores explicitly (`_attend`). The
-decode kernel takes both options; the AMX prefill kernel takes neither (it is built and
-tested only on CPUs with AMX, none of which this code was developed on), so such layers'
-prefills take the SDPA chunk path.
+paged kernel takes both options; the AMX prefill kernel takes neither (it is built and
+tested only on CPUs with AMX, none of which this code was developed on), so such layers
+use the paged kernel and SDPA.
+An int8 KV cache (attention/kv_quant.py) is read dequantised by the SDPA paths' gathers and
+in place by the kernel.
 Results equal `TorchRefBackend` within float tolerance (tests/unit/attention).
 """
 
@@ -41,6 +46,7 @@ from pagedinfer.attention.backend import (
     flat_kv_cache,
     write_kv_cache,
 )
+from pagedinfer.attention.kv_quant import read_rows
 
 __all__ = ["CpuPagedBackend", "CpuSdpaBackend", "CpuSdpaMetadata"]
 
@@ -95,19 +101,9 @@ class _DecodeGroup:
 
 
 @dataclass
-class _PagedDecodes:
-    token_idx: torch.Tensor
-    """[num_decodes] int64 rows of the flattened batch."""
-    block_table: torch.Tensor
-    """[num_decodes, max_blocks] int32"""
-    seq_lens: torch.Tensor
-    """[num_decodes] int32"""
-    contiguous_start: int | None
-
-
-@dataclass
-class _PagedPrefills:
-    """The requests with more than one query row, for the paged prefill kernel."""
+class _PagedRequests:
+    """Requests for the C++ paged kernels (paged_attention, the AMX prefill kernel): their
+    query rows [q_start, q_end) of the flattened batch, context lengths and block tables."""
 
     q_start: torch.Tensor
     """[n] int32 first query row of each request"""
@@ -125,17 +121,15 @@ class CpuSdpaMetadata:
     """[num_tokens] int64"""
     decode_groups: list[_DecodeGroup]
     chunks: list[_Chunk]
-    paged_decodes: _PagedDecodes | None = None
-    paged_prefills: _PagedPrefills | None = None
+    paged: _PagedRequests | None = None
+    """`CpuPagedBackend`: the requests for the paged kernel (the others are `chunks`)."""
+    paged_prefills: _PagedRequests | None = None
+    """With the AMX prefill kernel: every multi-row request, for layers it takes..."""
+    paged_decodes: _PagedRequests | None = None
+    """... and the decodes, for the paged kernel in those layers."""
     decodes_only: bool = False
-    """Every row of the step is a decode the paged kernel takes, in request order (the
-    steady decode batch): forward skips the SDPA machinery."""
-    common: CommonAttentionMetadata | None = None
-    """Kept when `chunks` was left empty for the prefill kernel, to build them if the
-    kernel turns out not to apply (a dtype other than bfloat16, a windowed layer)."""
-    sdpa_prefills: CpuSdpaMetadata | None = None
-    """`CpuPagedBackend`: the prefills as SDPA chunks, for the layers the prefill kernel
-    does not take (made on the first such call)."""
+    """Every row of the step is a decode, in request order (the steady decode batch):
+    forward skips the rest."""
     windowed: dict[int, tuple[list[_Chunk], list[_DecodeGroup]]] = field(default_factory=dict)
     """sliding window -> `chunks` and `decode_groups` for layers with that window, made on
     the first such layer's call and shared by the others of the step."""
@@ -150,6 +144,19 @@ class CpuSdpaMetadata:
                 [group.windowed(window) for group in self.decode_groups],
             )
         return self.windowed[window]
+
+
+def _chunk(common: CommonAttentionMetadata, r: int) -> _Chunk:
+    """Multi-row request r for SDPA: a fresh prefill (this step's K/V), or a chunk over a
+    cached prefix (its context's slots and the causal mask shifted by the cached length)."""
+    q_start, q_end = common.query_start_loc_cpu[r], common.query_start_loc_cpu[r + 1]
+    query_len, seq_len, bs = q_end - q_start, common.seq_lens_cpu[r], common.block_size
+    if seq_len == query_len:
+        return _Chunk(q_start, q_end, None, None)
+    positions = torch.arange(seq_len)
+    slots = common.block_table[r, positions // bs].long() * bs + positions % bs
+    q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    return _Chunk(q_start, q_end, slots, positions[None, :] <= q_pos)  # mask [query, seq]
 
 
 def _contiguous_start(rows: list[int]) -> int | None:
@@ -178,14 +185,6 @@ class CpuSdpaBackend(AttentionBackend):
     name = "cpu_sdpa"
 
     def build(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
-        return self._build(common, batch_decodes=True)
-
-    def _build(
-        self, common: CommonAttentionMetadata, batch_decodes: bool, sdpa_prefills: bool = True
-    ) -> CpuSdpaMetadata:
-        """SDPA metadata; with batch_decodes=False decode requests are left out, and with
-        sdpa_prefills=False multi-token ones (another path handles them)."""
-        bs = common.block_size
         qsl = common.query_start_loc_cpu
         decode_rows: list[int] = []
         decode_reqs: list[int] = []
@@ -193,21 +192,11 @@ class CpuSdpaBackend(AttentionBackend):
         for r in range(common.num_reqs):
             q_start, q_end = qsl[r], qsl[r + 1]
             query_len = q_end - q_start
-            seq_len = common.seq_lens_cpu[r]
             if query_len == 1:
-                if batch_decodes:
-                    decode_rows.append(q_start)
-                    decode_reqs.append(r)
-            elif not sdpa_prefills:
-                continue
-            elif seq_len == query_len:
-                chunks.append(_Chunk(q_start, q_end, None, None))
+                decode_rows.append(q_start)
+                decode_reqs.append(r)
             else:
-                positions = torch.arange(seq_len)
-                slots = common.block_table[r, positions // bs].long() * bs + positions % bs
-                q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-                mask = positions[None, :] <= q_pos  # [query_len, seq_len]
-                chunks.append(_Chunk(q_start, q_end, slots, mask))
+                chunks.append(_chunk(common, r))
 
         groups = self._decode_groups(common, decode_rows, decode_reqs)
         return CpuSdpaMetadata(
@@ -265,7 +254,8 @@ class CpuSdpaBackend(AttentionBackend):
         options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
+        key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, row]
+        dtype = query.dtype
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         chunks, decode_groups = metadata.for_window(options.sliding_window)
         cap = options.logits_soft_cap
@@ -278,8 +268,9 @@ class CpuSdpaBackend(AttentionBackend):
                 k = key[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, kv_heads, q, dim]
                 v = value[chunk.q_start : chunk.q_end].transpose(0, 1)[None]
             else:
-                k = key_cache[chunk.slots].transpose(0, 1)[None]  # [1, kv_heads, seq, dim]
-                v = value_cache[chunk.slots].transpose(0, 1)[None]
+                k = read_rows(key_cache, chunk.slots, dtype)  # [seq, kv_heads, dim]
+                v = read_rows(value_cache, chunk.slots, dtype)
+                k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, seq, dim]
             o = self._attend(q, k, v, chunk.mask, cap)
             out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
 
@@ -287,8 +278,8 @@ class CpuSdpaBackend(AttentionBackend):
             n = group.slots.shape[0]
             q = _take_rows(query, group.contiguous_start, group.token_idx, n)
             q = q.unsqueeze(2)  # [n, heads, 1, dim]
-            k = key_cache[group.slots].transpose(1, 2)  # [n, kv_heads, seq, dim]
-            v = value_cache[group.slots].transpose(1, 2)
+            k = read_rows(key_cache, group.slots, dtype).transpose(1, 2)  # [n, kv_heads, seq, dim]
+            v = read_rows(value_cache, group.slots, dtype).transpose(1, 2)
             o = self._attend(q, k, v, group.mask, cap, causal=False).squeeze(2)  # [n, heads, dim]
             _put_rows(out, group.contiguous_start, group.token_idx, o)
         return out
@@ -325,51 +316,88 @@ class CpuSdpaBackend(AttentionBackend):
         return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
 
 
+# Multi-row requests (prefills, chunks over a cached prefix) up to this many positions of
+# context go through the paged kernel, longer ones through SDPA: measured on the AVX2 tier
+# (benchmarks/bench_prefill_attention.py, float32, docs/benchmarks.md) the kernel is
+# 1.3-1.7x gather + SDPA up to ~1,000 positions, even at 1,024 and 0.9x at 2,048, where
+# SDPA's GEMM blocking reuses each K/V block over more query rows than the kernel's tiles.
+KERNEL_MAX_CONTEXT = 1536
+
+
 class CpuPagedBackend(CpuSdpaBackend):
-    """SDPA for prefills and chunks, the C++ paged kernel for decodes."""
+    """The C++ paged kernel (K/V read in place, any cache dtype) for decodes and for
+    prefills and chunks up to `KERNEL_MAX_CONTEXT` positions; SDPA for longer ones (a fresh
+    prefill on this step's K/V, a chunk on its gathered context); on AMX machines the AMX
+    prefill kernel for bfloat16 prefills.
+
+    `quantized_cache`: the cache is int8. Fresh prefills then always take SDPA over their
+    own float K/V (nothing they need is in the cache yet), so a request's first token is the
+    one the float cache gives."""
 
     name = "cpu_paged"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        quantized_cache: bool = False,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         from pagedinfer.kernels.cpu import load_cpu_kernels
 
         self.kernel = load_cpu_kernels()
         if self.kernel is None:
             raise RuntimeError("the paged attention kernel could not be built")
+        self.quantized_cache = quantized_cache
         # bfloat16 only; decided per call in forward(), since the model's dtype is not
         # known here.
         self.prefill_kernel = self.kernel.prefill_attention_available() and head_dim in (64, 128)
 
     def build(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
-        metadata = self._build(common, batch_decodes=False, sdpa_prefills=not self.prefill_kernel)
         qsl = common.query_start_loc_cpu
-        if self.prefill_kernel:
-            prefill_reqs = [r for r in range(common.num_reqs) if qsl[r + 1] - qsl[r] > 1]
-            if prefill_reqs:
-                reqs = torch.tensor(prefill_reqs)
-                starts = common.query_start_loc[reqs]
-                metadata.paged_prefills = _PagedPrefills(
-                    q_start=starts.to(torch.int32),
-                    q_end=common.query_start_loc[reqs + 1].to(torch.int32),
-                    seq_lens=common.seq_lens[reqs].to(torch.int32),
-                    block_table=common.block_table[reqs].contiguous(),
-                )
-                metadata.common = common
-        decode_reqs = [r for r in range(common.num_reqs) if qsl[r + 1] - qsl[r] == 1]
-        if decode_reqs:
-            rows = [qsl[r] for r in decode_reqs]
-            reqs = torch.tensor(decode_reqs)
-            metadata.paged_decodes = _PagedDecodes(
-                token_idx=torch.tensor(rows),
-                block_table=common.block_table[reqs].contiguous(),
-                seq_lens=common.seq_lens[reqs].to(torch.int32).contiguous(),
-                contiguous_start=_contiguous_start(rows),
-            )
-            metadata.decodes_only = (
-                len(decode_reqs) == common.num_reqs and metadata.paged_decodes.contiguous_start == 0
-            )
+        seq_lens = common.seq_lens_cpu
+        decodes, kernel, multi = [], [], []
+        for r in range(common.num_reqs):
+            query_len = qsl[r + 1] - qsl[r]
+            if query_len == 1:
+                decodes.append(r)
+                continue
+            multi.append(r)
+            fresh = seq_lens[r] == query_len
+            if seq_lens[r] <= KERNEL_MAX_CONTEXT and not (fresh and self.quantized_cache):
+                kernel.append(r)
+        # SDPA takes the rest: fresh prefills on this step's K/V, chunks on their gathered
+        # context (the decode groups stay empty: the kernel takes every decode).
+        taken = set(kernel)
+        sdpa = [r for r in multi if r not in taken]
+        metadata = self._sdpa_chunks(common, sdpa)
+        metadata.paged = self._requests(common, sorted(decodes + kernel))
+        if self.prefill_kernel and multi:
+            metadata.paged_prefills = self._requests(common, multi)
+            metadata.paged_decodes = self._requests(common, decodes)
+        if decodes and len(decodes) == common.num_reqs:
+            metadata.decodes_only = True
         return metadata
+
+    @staticmethod
+    def _sdpa_chunks(common: CommonAttentionMetadata, reqs: list[int]) -> CpuSdpaMetadata:
+        """SDPA metadata for these multi-row requests only."""
+        chunks = [_chunk(common, r) for r in reqs]
+        return CpuSdpaMetadata(slot_mapping=common.slot_mapping, decode_groups=[], chunks=chunks)
+
+    @staticmethod
+    def _requests(common: CommonAttentionMetadata, reqs: list[int]) -> _PagedRequests | None:
+        if not reqs:
+            return None
+        idx = torch.tensor(reqs)
+        return _PagedRequests(
+            q_start=common.query_start_loc[idx].to(torch.int32),
+            q_end=common.query_start_loc[idx + 1].to(torch.int32),
+            seq_lens=common.seq_lens[idx].to(torch.int32).contiguous(),
+            block_table=common.block_table[idx].contiguous(),
+        )
 
     def forward(
         self,
@@ -380,65 +408,67 @@ class CpuPagedBackend(CpuSdpaBackend):
         metadata: CpuSdpaMetadata,
         options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
-        paged = metadata.paged_decodes
+        window = options.sliding_window or 0  # 0: no window
+        cap = options.logits_soft_cap or 0.0  # 0: no cap
+        paged = metadata.paged
         if metadata.decodes_only:
             # The steady decode batch: one C++ call writes the new K/V and attends for every
             # row; no output buffer to scatter into (86 -> ~45 us per layer at batch 1).
             assert paged is not None
             return self.kernel.paged_decode_step(
-                query,
-                kv_cache,
-                key,
-                value,
-                metadata.slot_mapping,
-                paged.block_table,
-                paged.seq_lens,
-                self.scale,
-                options.sliding_window or 0,  # 0: no window
-                options.logits_soft_cap or 0.0,  # 0: no cap
-            )  # [n, heads, dim]
+                query, kv_cache, key, value, metadata.slot_mapping, paged.block_table,
+                paged.seq_lens, self.scale, window, cap,
+            )  # fmt: skip
+        self.kernel.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        query = query.contiguous()
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         prefills = metadata.paged_prefills
-        if prefills is not None and (query.dtype != torch.bfloat16 or not options.is_plain):
-            # The prefill kernel takes neither this dtype nor a window or a soft cap: this
-            # layer's prefills take the SDPA chunk path.
-            out = super().forward(
-                query, key, value, kv_cache, self._sdpa_prefills(metadata), options
-            )
-            prefills = None
-        else:
-            out = super().forward(query, key, value, kv_cache, metadata, options)
-        if prefills is not None:
+        if (
+            prefills is not None
+            and query.dtype == torch.bfloat16
+            and kv_cache.dtype == torch.bfloat16
+            and options.is_plain
+        ):
+            # AMX: every multi-row request through the prefill kernel, decodes through the
+            # paged kernel.
             self.kernel.paged_prefill_attention(
-                out,
-                query,
-                kv_cache[0],
-                kv_cache[1],
-                prefills.block_table,
-                prefills.q_start,
-                prefills.q_end,
-                prefills.seq_lens,
-                self.scale,
-            )
+                out, query, kv_cache[0], kv_cache[1], prefills.block_table, prefills.q_start,
+                prefills.q_end, prefills.seq_lens, self.scale,
+            )  # fmt: skip
+            paged = metadata.paged_decodes
+        else:
+            self._sdpa_fresh(query, key, value, out, metadata, options, kv_cache)
         if paged is not None:
-            n = paged.seq_lens.shape[0]
-            q = _take_rows(query, paged.contiguous_start, paged.token_idx, n)
-            o = self.kernel.paged_decode_attention(
-                q.contiguous(),
-                kv_cache[0],
-                kv_cache[1],
-                paged.block_table,
-                paged.seq_lens,
-                self.scale,
-                options.sliding_window or 0,  # 0: no window
-                options.logits_soft_cap or 0.0,  # 0: no cap
-            )  # [n, heads, dim]
-            _put_rows(out, paged.contiguous_start, paged.token_idx, o)
+            self.kernel.paged_attention(
+                out, query, kv_cache[0], kv_cache[1], paged.block_table, paged.q_start,
+                paged.q_end, paged.seq_lens, self.scale, window, cap,
+            )  # fmt: skip
         return out
 
-    def _sdpa_prefills(self, metadata: CpuSdpaMetadata) -> CpuSdpaMetadata:
-        """The step's prefills as SDPA chunks (no decodes: the kernel runs those), for
-        layers the prefill kernel does not take; made once per step."""
-        if metadata.sdpa_prefills is None:
-            assert metadata.common is not None
-            metadata.sdpa_prefills = self._build(metadata.common, batch_decodes=False)
-        return metadata.sdpa_prefills
+    def _sdpa_fresh(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        metadata: CpuSdpaMetadata,
+        options: AttentionOptions,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """SDPA for the requests the kernel does not take: fresh prefills on this step's
+        K/V, chunks on their context gathered from the cache."""
+        chunks, _ = metadata.for_window(options.sliding_window)
+        if not chunks:
+            return
+        key_cache, value_cache = flat_kv_cache(kv_cache)
+        for chunk in chunks:
+            q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, heads, q, dim]
+            if chunk.slots is None:
+                k = key[chunk.q_start : chunk.q_end]  # [q, kv_heads, dim]
+                v = value[chunk.q_start : chunk.q_end]
+            else:
+                k = read_rows(key_cache, chunk.slots, query.dtype)  # [seq, kv_heads, dim]
+                v = read_rows(value_cache, chunk.slots, query.dtype)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            o = self._attend(q, k, v, chunk.mask, options.logits_soft_cap)
+            out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)

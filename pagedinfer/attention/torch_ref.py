@@ -3,7 +3,7 @@
 It walks requests one by one, gathers each request's whole context from the paged cache
 through its block table, and computes causal softmax attention in float32 with an explicit
 mask (causal, and the layer's sliding window), soft-capping the scores first where the layer
-asks. Slow and obvious on purpose.
+asks. An int8 cache's rows are dequantised as they are gathered. Slow and obvious on purpose.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pagedinfer.attention.backend import (
     flat_kv_cache,
     write_kv_cache,
 )
+from pagedinfer.attention.kv_quant import read_rows
 
 __all__ = ["TorchRefBackend", "context_slots"]
 
@@ -41,7 +42,7 @@ class TorchRefBackend(AttentionBackend):
         options: AttentionOptions = FULL_ATTENTION,
     ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, head_dim]
+        key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, row]
         group = self.num_heads // self.num_kv_heads
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         qsl = metadata.query_start_loc_cpu
@@ -50,8 +51,10 @@ class TorchRefBackend(AttentionBackend):
             query_len = q_end - q_start
             seq_len = metadata.seq_lens_cpu[r]
             slots = context_slots(metadata.block_table[r], seq_len, metadata.block_size)
-            k = key_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, heads, dim]
-            v = value_cache[slots].float().repeat_interleave(group, dim=1)
+            k = read_rows(key_cache, slots, torch.float32)  # [seq, kv_heads, dim]
+            v = read_rows(value_cache, slots, torch.float32)
+            k = k.repeat_interleave(group, dim=1)  # [seq, heads, dim]
+            v = v.repeat_interleave(group, dim=1)
             q = query[q_start:q_end].float()  # [query_len, heads, dim]
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale  # [heads, q, seq]
             cap = options.logits_soft_cap

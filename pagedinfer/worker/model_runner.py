@@ -82,8 +82,12 @@ class ModelRunner:
         draft_model: DraftModel | None = None,
         head_kv_cache: torch.Tensor | None = None,
         kv_connector: KVConnectorBase | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`dtype`: the model's activations' (a pipeline stage receives its hidden states
+        in it); the KV cache's may differ (`kv_cache_dtype`)."""
         self.model = model
+        self.dtype = dtype
         # KV transfer (disaggregated prefill): loads before the forward pass, per-layer
         # hooks inside it (through the forward context), saves waited for after it.
         self.kv_connector = kv_connector
@@ -300,8 +304,10 @@ class ModelRunner:
         intermediate = None
         if not pp.is_first_rank:
             shape = (input_ids.shape[0], self.model.config.hidden_size)
-            dtype = self.kv_caches[0].dtype if self.kv_caches else torch.float32
-            intermediate = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+            intermediate = (
+                torch.empty(shape, dtype=self.dtype),
+                torch.empty(shape, dtype=self.dtype),
+            )
             pp.recv(list(intermediate), pp.rank_in_group - 1)
         with set_forward_context(ctx):
             if pp.is_last_rank:

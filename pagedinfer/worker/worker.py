@@ -20,6 +20,7 @@ import torch
 
 from pagedinfer.attention.backend import AttentionBackend
 from pagedinfer.attention.cpu_sdpa import CpuPagedBackend, CpuSdpaBackend
+from pagedinfer.attention.kv_quant import cache_row_dim, resolve_kv_cache_dtype
 from pagedinfer.attention.torch_ref import TorchRefBackend
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -106,8 +107,11 @@ def default_quant_max_tokens(tier: str, int8_activations: bool) -> int:
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of every layer's K and V in a cache of `dtype` (int8: rows of
+    head_dim codes and a 4-byte scale)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * elem
+    row = cache_row_dim(arch.head_dim, dtype)
+    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * row * elem
 
 
 class Worker:
@@ -119,6 +123,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.dtype = resolve_dtype(config.model_config.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         if config.model_config.num_threads is not None:
             torch.set_num_threads(config.model_config.num_threads)
         par = config.parallel_config
@@ -268,11 +273,14 @@ class Worker:
         name = self.config.model_config.attention_backend
         args = (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
         scale = arch.head_dim**-0.5
+        quantized = self.kv_cache_dtype == torch.int8
         if name == "auto":
             try:
-                return CpuPagedBackend(*args, scale)
+                return CpuPagedBackend(*args, scale, quantized_cache=quantized)
             except RuntimeError:
                 return CpuSdpaBackend(*args, scale)
+        if name == "cpu_paged":
+            return CpuPagedBackend(*args, scale, quantized_cache=quantized)
         return _BACKENDS[name](*args, scale)
 
     def kv_bytes_per_block(self) -> int:
@@ -280,12 +288,13 @@ class Worker:
         cache has the same blocks)."""
         assert self.local_arch is not None
         bs = self.config.cache_config.block_size
-        total = kv_cache_bytes_per_block(self.local_arch, bs, self.dtype)
+        dtype = self.kv_cache_dtype
+        total = kv_cache_bytes_per_block(self.local_arch, bs, dtype)
         if self.draft is not None:
-            total += kv_cache_bytes_per_block(self.draft[0], bs, self.dtype)
+            total += kv_cache_bytes_per_block(self.draft[0], bs, dtype)
         if self._eagle():
             assert self.arch is not None
-            total += kv_cache_bytes_per_block(self.arch, bs, self.dtype) // max(
+            total += kv_cache_bytes_per_block(self.arch, bs, dtype) // max(
                 self.arch.num_hidden_layers, 1
             )  # the head's one decoder layer
         return total
@@ -342,18 +351,19 @@ class Worker:
             draft_model=draft_model,
             head_kv_cache=head_kv_cache,
             kv_connector=kv_connector,
+            dtype=self.dtype,
         )
         release_free_heap()  # loading's temporaries (~150 MB); see pagedinfer/platform.py
 
     def _kv_caches(self, arch: ModelArchConfig, num_blocks: int) -> list[torch.Tensor]:
         bs = self.config.cache_config.block_size
         # Zero-filled, so a padded gather never reads NaN garbage from an unwritten slot.
+        dtype = self.kv_cache_dtype
+        row = cache_row_dim(arch.head_dim, dtype)  # head_dim (+ the int8 rows' scale)
         return [
-            torch.zeros(
-                2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim, dtype=self.dtype
-            )  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+            torch.zeros(2, num_blocks, bs, arch.num_key_value_heads, row, dtype=dtype)
             for _ in range(arch.num_hidden_layers)
-        ]
+        ]  # [2, num_blocks, block_size, num_kv_heads, row] per layer
 
     def shutdown(self) -> None:
         """Release what outlives a step: the KV connector's threads and sockets."""

@@ -9,6 +9,11 @@ torch::Tensor paged_decode_step(torch::Tensor query, torch::Tensor kv_cache, tor
                                 torch::Tensor value, torch::Tensor slot_mapping,
                                 torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                 int64_t sliding_window, double soft_cap);
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                     torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor q_start,
+                     torch::Tensor q_end, torch::Tensor seq_lens, double scale,
+                     int64_t sliding_window, double soft_cap);
+void write_kv(torch::Tensor kv_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -34,6 +39,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention (CPU); sliding_window and soft_cap: 0 = off");
   m.def("paged_decode_step", &paged_decode_step,
         "Write the new K/V rows into their slots, then paged decode attention (every row a decode)");
+  m.def("paged_attention", &paged_attention,
+        "Causal attention of query rows over their request's paged context, into out "
+        "(prefills, chunks and decodes; float or int8 cache)");
+  m.def("write_kv", &write_kv,
+        "Write K/V rows into their cache slots (quantised for an int8 cache)");
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside, one rounding");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "In place: residual = x + residual; x = rms_norm(residual)");

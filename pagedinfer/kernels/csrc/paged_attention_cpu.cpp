@@ -51,6 +51,26 @@ using pagedinfer::load16;
 using pagedinfer::tanh16;
 #endif
 
+// int8 caches hold rows of head_dim codes followed by the row's float32 scale (4 bytes):
+// value = code * scale (attention/kv_quant.py writes them; so does paged_decode_step).
+template <typename T>
+constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+constexpr int64_t kQ8ScaleBytes = 4;
+
+// The scale of a cache row (1 for float caches: the multiplications fold away).
+template <typename cache_t>
+inline float row_scale(const cache_t* row, int64_t head_dim) {
+  if constexpr (kQ8<cache_t>) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof s);
+    return s;
+  } else {
+    (void)row, (void)head_dim;
+    return 1.f;
+  }
+}
+
+constexpr int64_t kVChunk = 32;  // positions of V a weighted sum takes at a time (see attend)
 constexpr int64_t kItemsPerThread = 4;  // below this many requests per thread, contexts
                                         // are split into parts
 constexpr int64_t kMinPart = 128;       // positions per part at least (the combine step
@@ -105,19 +125,20 @@ void scores_generic(const float* q, int64_t group, int64_t head_dim, const scala
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(k[d]);
-      scores[g * count + t] = s;
+      scores[g * count + t] = s * row_scale(k, head_dim);
     }
   });
 }
 
+// The weighted sums below add sum over the span of p[g, t] * v_t to acc [group, head_dim],
+// head g's weights at scores[g * stride + t] (attend() hands them the span in chunks).
 template <typename scalar_t>
-void weighted_sum_generic(const float* scores, int64_t group, int64_t head_dim,
+void weighted_sum_generic(const float* scores, int64_t stride, int64_t group, int64_t head_dim,
                           const scalar_t* value_cache, const Span& span, float* acc) {
-  const int64_t count = span.count;
-  std::fill(acc, acc + group * head_dim, 0.f);
   for_each_position(value_cache, span, [&](int64_t t, const scalar_t* v) {
+    const float vs = row_scale(v, head_dim);
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * count + t];
+      const float p = scores[g * stride + t] * vs;
       float* ag = acc + g * head_dim;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
@@ -138,6 +159,10 @@ inline void soft_cap_inplace(float* s, int64_t n, float cap) {
 }
 
 #if defined(__AVX512F__)
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // r[i] = sum of the 16 lanes of rows[i], i < 16 (rows: 16 x 16 floats): a transpose-and-add
 // tree, 45 instructions for 16 sums instead of 16 horizontal reductions.
 inline __m512 sum_rows16(const float* rows) {
@@ -178,10 +203,12 @@ void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache, con
         const scalar_t* k = kb + (off + i) * row_stride;
         __m512 kv[NV];
         for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+        const __m512 ks = _mm512_set1_ps(row_scale(k, D));
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q + g * D;
           __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
           for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], s);
+          if constexpr (kQ8<scalar_t>) s = _mm512_mul_ps(s, ks);
           _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
         }
       }
@@ -194,13 +221,13 @@ void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache, con
 }
 
 template <int NV, int G, typename scalar_t>
-void weighted_sum_avx512_fixed(const float* scores, const scalar_t* value_cache,
+void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar_t* value_cache,
                                const Span& span, float* acc_out) {
   const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
   // Accumulators for the whole group live in registers (G * NV <= 24).
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_loadu_ps(acc_out + g * 16 * NV + 16 * j);
   int64_t b = span.first / block_size, off = span.first % block_size;
   for (int64_t t = 0; t < count; ++b, off = 0) {
     span.prefetch_next(value_cache, b);
@@ -210,8 +237,9 @@ void weighted_sum_avx512_fixed(const float* scores, const scalar_t* value_cache,
       const scalar_t* v = vb + i * row_stride;
       __m512 vv[NV];
       for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+      const float vs = row_scale(v, 16 * NV);
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * count + t + i]);
+        const __m512 p = _mm512_set1_ps(scores[g * stride + t + i] * vs);
         for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
       }
     }
@@ -222,27 +250,26 @@ void weighted_sum_avx512_fixed(const float* scores, const scalar_t* value_cache,
 }
 
 template <int NV, typename scalar_t>
-void weighted_sum_avx512(const float* scores, int64_t group, const scalar_t* value_cache,
-                         const Span& span, float* acc) {
+void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
+                         const scalar_t* value_cache, const Span& span, float* acc) {
   constexpr int64_t D = 16 * NV;
-  const int64_t count = span.count;
   if constexpr (NV >= 16) {
     // head_dim 256: one head's 16 accumulators and its V row already fill the register
     // file, so each head takes its own sweep over V.
     for (int64_t g = 0; g < group; ++g)
-      weighted_sum_avx512_fixed<NV, 1>(scores + g * count, value_cache, span, acc + g * D);
+      weighted_sum_avx512_fixed<NV, 1>(scores + g * stride, stride, value_cache, span, acc + g * D);
   } else {
     // Up to 4 heads per sweep keep their accumulators in registers; larger groups take
-    // several sweeps (each re-reads V, which is still cheap next to the score pass).
+    // several sweeps (each re-reads the chunk's V rows from L1).
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
       const int64_t gn = std::min<int64_t>(4, group - g0);
-      const float* s = scores + g0 * count;
+      const float* s = scores + g0 * stride;
       float* a = acc + g0 * D;
       switch (gn) {
-        case 1: weighted_sum_avx512_fixed<NV, 1>(s, value_cache, span, a); break;
-        case 2: weighted_sum_avx512_fixed<NV, 2>(s, value_cache, span, a); break;
-        case 3: weighted_sum_avx512_fixed<NV, 3>(s, value_cache, span, a); break;
-        default: weighted_sum_avx512_fixed<NV, 4>(s, value_cache, span, a); break;
+        case 1: weighted_sum_avx512_fixed<NV, 1>(s, stride, value_cache, span, a); break;
+        case 2: weighted_sum_avx512_fixed<NV, 2>(s, stride, value_cache, span, a); break;
+        case 3: weighted_sum_avx512_fixed<NV, 3>(s, stride, value_cache, span, a); break;
+        default: weighted_sum_avx512_fixed<NV, 4>(s, stride, value_cache, span, a); break;
       }
     }
   }
@@ -272,6 +299,17 @@ inline V8 load8(const c10::Half* p) {
   V8 v;
   for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
   return v;
+#endif
+}
+
+inline V8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<V8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  typedef int8_t I8x8 __attribute__((vector_size(8)));
+  I8x8 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  return __builtin_convertvector(raw, V8);
 #endif
 }
 
@@ -314,6 +352,7 @@ void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache, const
         const scalar_t* k = kb + (off + i) * row_stride;
         V8 kv[NV];
         for (int j = 0; j < NV; ++j) kv[j] = load8(k + 8 * j);
+        const float ks = row_scale(k, D);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q + g * D;
           V8 s0 = load8(qg) * kv[0], s1{};
@@ -321,13 +360,18 @@ void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache, const
             if (j & 1) s1 += load8(qg + 8 * j) * kv[j];
             else s0 += load8(qg + 8 * j) * kv[j];
           }
-          const V8 s = s0 + s1;
+          V8 s = s0 + s1;
+          if constexpr (kQ8<scalar_t>) s *= ks;
           std::memcpy(partial + (g * 8 + i) * 8, &s, sizeof s);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        sum_rows8(partial + g * 64, sums);
-        std::memcpy(scores + g * count + t, sums, n * sizeof(float));
+        if (n == 8) {  // sum straight into place (a variable-length copy is a slow rep movs)
+          sum_rows8(partial + g * 64, scores + g * count + t);
+        } else {
+          sum_rows8(partial + g * 64, sums);
+          std::memcpy(scores + g * count + t, sums, n * sizeof(float));
+        }
       }
       t += n;
     }
@@ -338,18 +382,55 @@ void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache, const
 // accumulators in registers at a time and the V rows read as FMA memory operands (the other
 // heads find them in L1/L2): ~9 instructions per head and position instead of ~25 with the
 // accumulators in memory. 16-bit caches: one sweep, each row widened once for the group.
-template <int NV, typename scalar_t>
-void weighted_sum_vec8(const float* scores, int64_t group, const scalar_t* value_cache,
-                       const Span& span, float* acc) {
+// int8 rows: G heads' accumulators for C of the row's NV vectors stay in registers, each
+// row's C vectors widened once for all G heads; one sweep per C vectors (the rows, 68 bytes
+// for head_dim 64, come back from L1/L2).
+template <int NV, int G, int C>
+void weighted_sum_q8(const float* scores, int64_t stride, const int8_t* value_cache,
+                     const Span& span, float* acc) {
   constexpr int64_t D = 8 * NV;
-  const int64_t count = span.count;
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  for (int j0 = 0; j0 < NV; j0 += C) {
+    V8 a[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < C; ++j) a[g][j] = load8(acc + g * D + 8 * (j0 + j));
+    for_each_position(value_cache, span, [&](int64_t t, const int8_t* v) {
+      const float vs = row_scale(v, D);
+      V8 vv[C];
+      for (int j = 0; j < C; ++j) vv[j] = load8(v + 8 * (j0 + j));
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g * stride + t] * vs;
+        for (int j = 0; j < C; ++j) a[g][j] += p * vv[j];
+      }
+    });
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < C; ++j) std::memcpy(acc + g * D + 8 * (j0 + j), &a[g][j], sizeof(V8));
+  }
+}
+
+template <int NV, typename scalar_t>
+void weighted_sum_vec8(const float* scores, int64_t stride, int64_t group,
+                       const scalar_t* value_cache, const Span& span, float* acc) {
+  constexpr int64_t D = 8 * NV;
+  if constexpr (kQ8<scalar_t>) {
+    // Up to 3 heads a sweep: 3 x 2 accumulators + 2 rows (+ the weights) fit 16 ymm
+    // registers; 1-2 heads take 4 vectors a sweep.
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+      const float* s = scores + g0 * stride;
+      float* a = acc + g0 * D;
+      switch (std::min<int64_t>(3, group - g0)) {
+        case 1: weighted_sum_q8<NV, 1, 4>(s, stride, value_cache, span, a); break;
+        case 2: weighted_sum_q8<NV, 2, 4>(s, stride, value_cache, span, a); break;
+        default: weighted_sum_q8<NV, 3, 2>(s, stride, value_cache, span, a); break;
+      }
+    }
+    return;
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
     constexpr int C = NV < 8 ? NV : 8;  // accumulator vectors per pass
     for (int64_t g = 0; g < group; ++g) {
-      const float* p = scores + g * count;
+      const float* p = scores + g * stride;
       for (int j0 = 0; j0 < NV; j0 += C) {
         V8 a[C];
-        for (int j = 0; j < C; ++j) a[j] = V8{};
+        for (int j = 0; j < C; ++j) a[j] = load8(acc + g * D + 8 * (j0 + j));
         for_each_position(value_cache, span, [&](int64_t t, const float* v) {
           const float pt = p[t];
           for (int j = 0; j < C; ++j) a[j] += pt * load8(v + 8 * (j0 + j));
@@ -359,12 +440,12 @@ void weighted_sum_vec8(const float* scores, int64_t group, const scalar_t* value
     }
     return;
   }
-  std::fill(acc, acc + group * D, 0.f);
   for_each_position(value_cache, span, [&](int64_t t, const scalar_t* v) {
     V8 vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = load8(v + 8 * j);
+    const float vs = row_scale(v, D);
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * count + t];
+      const float p = scores[g * stride + t] * vs;
       float* ag = acc + g * D;
       for (int j = 0; j < NV; ++j) {
         V8 a = load8(ag + 8 * j);
@@ -376,13 +457,23 @@ void weighted_sum_vec8(const float* scores, int64_t group, const scalar_t* value
 }
 #endif
 
-// One work item: scores, soft cap, e^(s - max) with its max and sum per head (m, l), and the
-// unnormalised weighted sum into acc [group, head_dim]. NV = head_dim / lanes takes the
-// vector loops (16 lanes with AVX-512, else 8), NV = 0 the generic ones.
+// The causal (and window) limits of a query tile's rows within one work item's span: row r
+// sees the span's positions t in [lo[r], hi[r]) (a decode: the whole span).
+struct RowLimits {
+  const int64_t* lo;
+  const int64_t* hi;
+  int64_t rows;  // nullptr limits: every row sees the whole span
+};
+
+// One work item: scores, soft cap, the tile's masks, e^(s - max) with its max and sum per
+// head row (m, l), and the unnormalised weighted sum into acc [group, head_dim]. `group`
+// counts the query heads of one kv head times the tile's rows (row-major: row r's heads are
+// r * heads_per_row ...). NV = head_dim / lanes takes the vector loops (16 lanes with
+// AVX-512, else 8), NV = 0 the generic ones.
 template <int NV, typename scalar_t>
 void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
-            const scalar_t* value_cache, const Span& span, float soft_cap, float* partial,
-            float* scores, float* acc, float* m, float* l) {
+            const scalar_t* value_cache, const Span& span, float soft_cap, const RowLimits& limits,
+            float* partial, float* scores, float* acc, float* m, float* l) {
 #if defined(__AVX512F__)
   if constexpr (NV > 0)
     scores_avx512<NV>(q, group, key_cache, span, partial, scores);
@@ -393,223 +484,373 @@ void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key
   else
 #endif
     scores_generic(q, group, head_dim, key_cache, span, scores);
+  const int64_t count = span.count;
   // The heads' score rows are contiguous: one pass caps them all.
-  if (soft_cap > 0.f) soft_cap_inplace(scores, group * span.count, soft_cap);
-  for (int64_t g = 0; g < group; ++g)
-    l[g] = pagedinfer::exp_shifted_inplace(scores + g * span.count, span.count, m + g);
+  if (soft_cap > 0.f) soft_cap_inplace(scores, group * count, soft_cap);
+  const int64_t per_row = limits.lo == nullptr ? group : group / limits.rows;
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * count;
+    if (limits.lo != nullptr) {
+      const int64_t r = g / per_row, lo = limits.lo[r], hi = limits.hi[r];
+      if (hi <= lo) {  // this row sees none of the span (a part before its window or after it)
+        std::fill(s, s + count, 0.f);
+        m[g] = kMasked, l[g] = 0.f;
+        continue;
+      }
+      std::fill(s, s + lo, kMasked);
+      std::fill(s + hi, s + count, kMasked);
+    }
+    l[g] = pagedinfer::exp_shifted_inplace(s, count, m + g);
+  }
+  // The weighted sums sweep V once per head (or few heads): a long span's V rows would
+  // stream from L3 or DRAM once per sweep, so they take it kVChunk positions at a time,
+  // which stay in L1 while every head takes its turn.
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t c0 = 0; c0 < count; c0 += kVChunk) {
+    Span chunk = span;
+    chunk.first += c0;
+    chunk.count = std::min(kVChunk, count - c0);
 #if defined(__AVX512F__)
-  if constexpr (NV > 0)
-    weighted_sum_avx512<NV>(scores, group, value_cache, span, acc);
-  else
+    if constexpr (NV > 0)
+      weighted_sum_avx512<NV>(scores + c0, count, group, value_cache, chunk, acc);
+    else
 #else
-  if constexpr (NV > 0)
-    weighted_sum_vec8<NV>(scores, group, value_cache, span, acc);
-  else
+    if constexpr (NV > 0)
+      weighted_sum_vec8<NV>(scores + c0, count, group, value_cache, chunk, acc);
+    else
 #endif
-    weighted_sum_generic(scores, group, head_dim, value_cache, span, acc);
+      weighted_sum_generic(scores + c0, count, group, head_dim, value_cache, chunk, acc);
+  }
 }
 
-template <typename scalar_t>
-void attend_any(const float* q, int64_t group, int64_t head_dim, const scalar_t* kc,
-                const scalar_t* vc, const Span& span, float soft_cap, float* partial,
-                float* scores, float* acc, float* m, float* l) {
+template <typename cache_t>
+void attend_any(const float* q, int64_t group, int64_t head_dim, const cache_t* kc,
+                const cache_t* vc, const Span& span, float soft_cap, const RowLimits& limits,
+                float* partial, float* scores, float* acc, float* m, float* l) {
 #if defined(__AVX512F__)
-  if constexpr (kVec<scalar_t>) {
+  if constexpr (kVec<cache_t> || kQ8<cache_t>) {
     switch (head_dim) {
-      case 64: return attend<4>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
-      case 128: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
-      case 256: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      case 64: return attend<4>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
+      case 128: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
+      case 256: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
       default: break;
     }
   }
 #else
-  if constexpr (pagedinfer::kVecType<scalar_t>) {
+  if constexpr (pagedinfer::kVecType<cache_t> || kQ8<cache_t>) {
     switch (head_dim) {
-      case 64: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
-      case 128: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
-      case 256: return attend<32>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+      case 64: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
+      case 128: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
+      case 256: return attend<32>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
       default: break;
     }
   }
 #endif
-  attend<0>(q, group, head_dim, kc, vc, span, soft_cap, partial, scores, acc, m, l);
+  attend<0>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
 }
 
-template <typename scalar_t>
-void decode_kernel(const scalar_t* __restrict__ query, const scalar_t* __restrict__ key_cache,
-                   const scalar_t* __restrict__ value_cache, const int32_t* __restrict__ block_table,
-                   const int32_t* __restrict__ seq_lens, scalar_t* __restrict__ out,
-                   int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-                   float soft_cap) {
+// Query rows of one request attended together: every K/V row read is used by each of the
+// tile's rows and heads. A decode is a tile of one row.
+struct Tile {
+  int64_t req;    // its row of the block table
+  int64_t row0;   // first query row (of the flattened batch)
+  int64_t rows;   // query rows
+  int64_t pos0;   // position of the first row in its sequence
+  int64_t first;  // first position any row of the tile sees
+  int64_t count;  // positions from first to the last row's own
+};
+
+// Rows per prefill tile: enough query heads per kv head (rows x group) to reuse each
+// widened K/V row many times, few enough that the tile's scores stay in L2.
+inline int64_t tile_rows(int64_t group) { return std::max<int64_t>(1, 16 / group); }
+
+template <typename scalar_t, typename cache_t>
+void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restrict__ key_cache,
+                      const cache_t* __restrict__ value_cache, const int32_t* __restrict__ block_table,
+                      const int32_t* __restrict__ q_start, const int32_t* __restrict__ q_end,
+                      const int32_t* __restrict__ seq_lens,
+                      scalar_t* __restrict__ out, int64_t num_reqs, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                      float scale, int64_t sliding_window, float soft_cap) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;    // next position, same kv head
+  const int64_t row_dim = head_dim + (kQ8<cache_t> ? kQ8ScaleBytes : 0);  // cache_t per row
+  const int64_t row_stride = num_kv_heads * row_dim;     // next position, same kv head
   const int64_t block_stride = block_size * row_stride;  // next block
-  // Each request's attended positions [first, first + count), and the part length.
-  std::vector<int64_t> first(num_reqs), count(num_reqs);
-  int64_t longest = 1;
+  // The tiles, with the positions each sees: [first, first + count).
+  std::vector<Tile> tiles;
+  int64_t longest = 1, max_rows = 1;
   for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t seq_len = seq_lens[r];
-    first[r] = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-    count[r] = seq_len - first[r];
-    longest = std::max(longest, count[r]);
+    const int64_t q0 = q_start[r], q_len = q_end[r] - q0;
+    const int64_t start_pos = seq_lens[r] - q_len;  // position of the request's first row
+    const int64_t step = q_len == 1 ? 1 : tile_rows(group);
+    for (int64_t i = 0; i < q_len; i += step) {
+      const int64_t rows = std::min(step, q_len - i), pos0 = start_pos + i;
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos0 - sliding_window + 1) : 0;
+      tiles.push_back({r, q0 + i, rows, pos0, first, pos0 + rows - first});
+      longest = std::max(longest, tiles.back().count);
+      max_rows = std::max(max_rows, rows);
+    }
   }
-  const int64_t pairs = num_reqs * num_kv_heads;
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const int64_t pairs = num_tiles * num_kv_heads;
   const int64_t wanted = kItemsPerThread * at::get_num_threads();
   int64_t part_len = longest;
-  if (num_reqs < wanted) {
-    const int64_t parts = (wanted + num_reqs - 1) / num_reqs;
+  if (num_tiles < wanted) {
+    const int64_t parts = (wanted + num_tiles - 1) / num_tiles;
     part_len = std::max(kMinPart, ((longest + parts - 1) / parts + 15) / 16 * 16);
   }
-  // Parts of request r: part_start[r] .. part_start[r + 1] - 1 (global part ids).
-  std::vector<int64_t> part_start(num_reqs + 1, 0), part_req;
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t n = std::max<int64_t>(1, (count[r] + part_len - 1) / part_len);
-    part_start[r + 1] = part_start[r] + n;
-    part_req.insert(part_req.end(), n, r);
+  // Parts of tile i: part_start[i] .. part_start[i + 1] - 1 (global part ids).
+  std::vector<int64_t> part_start(num_tiles + 1, 0), part_tile;
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    const int64_t n = std::max<int64_t>(1, (tiles[i].count + part_len - 1) / part_len);
+    part_start[i + 1] = part_start[i] + n;
+    part_tile.insert(part_tile.end(), n, i);
   }
-  const int64_t total_parts = part_start[num_reqs];
-  const bool split = total_parts > num_reqs;
-  // Split requests' partial results: [part, kv head, group] maxes and sums, and
-  // [part, kv head, group, head_dim] unnormalised sums.
+  const int64_t total_parts = part_start[num_tiles];
+  const bool split = total_parts > num_tiles;
+  const int64_t width = max_rows * group;  // head rows of the widest tile
+  // Split tiles' partial results: [part, kv head, width] maxes and sums, and
+  // [part, kv head, width, head_dim] unnormalised sums.
   std::vector<float> part_m, part_l, part_acc;
   if (split) {
-    part_m.resize(total_parts * num_kv_heads * group);
+    part_m.resize(total_parts * num_kv_heads * width);
     part_l.resize(part_m.size());
     part_acc.resize(part_m.size() * head_dim);
   }
-  auto write_out = [&](int64_t r, int64_t kvh, int64_t g, const float* acc, float inv_l) {
-    scalar_t* dst = out + (r * num_heads + kvh * group + g) * head_dim;
+  // Head row h of tile `tile`, kv head kvh: query row row0 + h / group, head kvh * group + h % group.
+  auto head_offset = [&](const Tile& tile, int64_t kvh, int64_t h) {
+    return ((tile.row0 + h / group) * num_heads + kvh * group + h % group) * head_dim;
+  };
+  auto write_out = [&](const Tile& tile, int64_t kvh, int64_t h, const float* acc, float inv_l) {
+    scalar_t* dst = out + head_offset(tile, kvh, h);
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv_l);
   };
-  at::parallel_for(0, total_parts * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), m(group), l(group);
+  // Work items in zigzag order (0, N-1, 1, N-2, ...): a thread's contiguous range then mixes
+  // early and late items, whose lengths differ most (causal rows, sorted contexts).
+  const int64_t num_items = total_parts * num_kv_heads;
+  auto item = [num_items](int64_t i) { return i % 2 == 0 ? i / 2 : num_items - 1 - i / 2; };
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(width * head_dim), acc(width * head_dim), m(width), l(width);
     std::vector<float> scores;
-    std::vector<float> partial(group * 16 * 16);  // per-chunk partial dot products
-    for (int64_t work = begin; work < end; ++work) {
+    std::vector<float> partial(width * 16 * 16);  // per-chunk partial dot products
+    std::vector<int64_t> lo(max_rows), hi(max_rows);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t work = item(i);
       const int64_t part = work / num_kv_heads, kvh = work % num_kv_heads;
-      const int64_t r = part_req[part], index = part - part_start[r];
-      const int64_t start = index * part_len;
-      const Span span{block_table + r * max_blocks, first[r] + start,
-                      std::min(part_len, count[r] - start), block_size, row_stride, block_stride,
-                      head_dim * static_cast<int64_t>(sizeof(scalar_t))};
-      const scalar_t* kc = key_cache + kvh * head_dim;
-      const scalar_t* vc = value_cache + kvh * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = query + (r * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * scale;
+      const Tile& tile = tiles[part_tile[part]];
+      const int64_t index = part - part_start[part_tile[part]];
+      const int64_t start = index * part_len, n = tile.rows * group;
+      const Span span{block_table + tile.req * max_blocks, tile.first + start,
+                      std::min(part_len, tile.count - start), block_size, row_stride, block_stride,
+                      row_dim * static_cast<int64_t>(sizeof(cache_t))};
+      RowLimits limits{nullptr, nullptr, tile.rows};
+      if (tile.rows > 1) {
+        // Row r (position pos0 + r) sees [max(pos - window + 1, 0), pos], as span indices.
+        for (int64_t r = 0; r < tile.rows; ++r) {
+          const int64_t pos = tile.pos0 + r;
+          const int64_t from = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+          lo[r] = std::clamp<int64_t>(from - span.first, 0, span.count);
+          hi[r] = std::clamp<int64_t>(pos + 1 - span.first, 0, span.count);
+        }
+        limits = {lo.data(), hi.data(), tile.rows};
       }
-      if (static_cast<int64_t>(scores.size()) < group * span.count) scores.resize(group * span.count);
-      attend_any(q.data(), group, head_dim, kc, vc, span, soft_cap, partial.data(), scores.data(),
+      const cache_t* kc = key_cache + kvh * row_dim;
+      const cache_t* vc = value_cache + kvh * row_dim;
+      for (int64_t h = 0; h < n; ++h) {
+        const scalar_t* src = query + head_offset(tile, kvh, h);
+        for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<float>(src[d]) * scale;
+      }
+      if (static_cast<int64_t>(scores.size()) < n * span.count) scores.resize(n * span.count);
+      attend_any(q.data(), n, head_dim, kc, vc, span, soft_cap, limits, partial.data(), scores.data(),
                  acc.data(), m.data(), l.data());
-      if (part_start[r + 1] - part_start[r] == 1) {
-        for (int64_t g = 0; g < group; ++g) write_out(r, kvh, g, acc.data() + g * head_dim, 1.f / l[g]);
+      const int64_t t = part_tile[part];
+      if (part_start[t + 1] - part_start[t] == 1) {
+        for (int64_t h = 0; h < n; ++h) write_out(tile, kvh, h, acc.data() + h * head_dim, 1.f / l[h]);
       } else {
-        const int64_t at = (part * num_kv_heads + kvh) * group;
-        std::copy(m.begin(), m.end(), part_m.begin() + at);
-        std::copy(l.begin(), l.end(), part_l.begin() + at);
-        std::copy(acc.begin(), acc.end(), part_acc.begin() + at * head_dim);
+        const int64_t at = (part * num_kv_heads + kvh) * width;
+        std::copy(m.begin(), m.begin() + n, part_m.begin() + at);
+        std::copy(l.begin(), l.begin() + n, part_l.begin() + at);
+        std::copy(acc.begin(), acc.begin() + n * head_dim, part_acc.begin() + at * head_dim);
       }
     }
   });
   if (!split) return;
   // Combine the parts: with M the largest part max, weights e^(m_p - M) scale each part's
-  // sum and its share of the normaliser.
+  // sum and its share of the normaliser (a part a row does not see has m = -inf, weight 0).
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(head_dim);
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t r = pair / num_kv_heads, kvh = pair % num_kv_heads;
-      const int64_t p0 = part_start[r], p1 = part_start[r + 1];
+      const int64_t t = pair / num_kv_heads, kvh = pair % num_kv_heads;
+      const int64_t p0 = part_start[t], p1 = part_start[t + 1];
       if (p1 - p0 == 1) continue;
-      for (int64_t g = 0; g < group; ++g) {
+      const Tile& tile = tiles[t];
+      for (int64_t h = 0; h < tile.rows * group; ++h) {
         float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-        for (int64_t p = p0; p < p1; ++p) top = std::max(top, part_m[(p * num_kv_heads + kvh) * group + g]);
+        for (int64_t p = p0; p < p1; ++p) top = std::max(top, part_m[(p * num_kv_heads + kvh) * width + h]);
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t p = p0; p < p1; ++p) {
-          const int64_t at = (p * num_kv_heads + kvh) * group + g;
+          const int64_t at = (p * num_kv_heads + kvh) * width + h;
+          if (part_l[at] == 0.f) continue;  // a part this row does not see
           const float w = std::exp(part_m[at] - top);
           total += part_l[at] * w;
           const float* src = part_acc.data() + at * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * src[d];
         }
-        write_out(r, kvh, g, acc.data(), 1.f / total);
+        write_out(tile, kvh, h, acc.data(), 1.f / total);
       }
     }
   });
 }
 
+// Quantises one row of head_dim values to int8 codes and its scale (see attention/kv_quant.py,
+// whose arithmetic this repeats exactly: scale = amax / 127, code = round(x * (127 / amax)),
+// halves to even; an all-zero row: codes 0, scale 0).
+template <typename scalar_t>
+void quantize_row(const scalar_t* x, int64_t head_dim, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < head_dim; ++d)
+    dst[d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[d]) * inv));
+  const float row_scale = amax / 127.f;
+  std::memcpy(dst + head_dim, &row_scale, sizeof row_scale);
+}
+
 }  // namespace
 
+// Attention of query rows over their request's paged context, written into `out` [rows,
+// heads, head_dim] (the query's shape and dtype): request r's rows are [q_start[r], q_end[r])
+// and attend causally to its first seq_lens[r] positions (its rows are the last of them).
+// key_cache / value_cache [num_blocks, block_size, num_kv_heads, row]: in the query's dtype
+// (row = head_dim), or int8 rows (row = head_dim + 4: codes, then the float32 scale).
 // sliding_window: 0 = the whole context; soft_cap: 0 = no cap (see the top of the file).
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                                     double soft_cap) {
+// Rows of `out` no request owns are left as they are.
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                     torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor q_start,
+                     torch::Tensor q_end, torch::Tensor seq_lens, double scale,
+                     int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  out.is_contiguous(),
               "inputs must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_table and seq_lens must be int32");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  key_cache.scalar_type() == value_cache.scalar_type(),
-              "query and cache dtypes differ");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out must have the query's shape and dtype");
+  for (const auto& t : {block_table, q_start, q_end, seq_lens})
+    TORCH_CHECK(t.scalar_type() == at::kInt, "block_table, q_start, q_end and seq_lens must be int32");
+  const bool q8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
+                  (q8 || query.scalar_type() == key_cache.scalar_type()),
+              "the cache must be int8 or in the query's dtype");
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
   TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0: no cap)");
   auto table = block_table.contiguous();
   auto lens = seq_lens.contiguous();
-  const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  auto starts = q_start.contiguous(), ends = q_end.contiguous();
+  const int64_t num_reqs = lens.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(starts.numel() == num_reqs && ends.numel() == num_reqs && table.size(0) == num_reqs,
+              "q_start, q_end, seq_lens and block_table must have one entry per request");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(key_cache.size(3) == head_dim, "head_dim of query and cache differ");
-  auto out = torch::empty_like(query);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                            value_cache.data_ptr<scalar_t>(), table.data_ptr<int32_t>(),
-                            lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_reqs, num_heads,
-                            num_kv_heads, head_dim, block_size, table.size(1),
-                            static_cast<float>(scale), sliding_window,
-                            static_cast<float>(soft_cap));
+  TORCH_CHECK(key_cache.size(3) == head_dim + (q8 ? kQ8ScaleBytes : 0),
+              "head_dim of query and cache differ");
+  const int32_t *qs = starts.data_ptr<int32_t>(), *qe = ends.data_ptr<int32_t>();
+  const int32_t* sl = lens.data_ptr<int32_t>();
+  const int64_t capacity = table.size(1) * block_size;
+  for (int64_t r = 0; r < num_reqs; ++r)
+    TORCH_CHECK(0 <= qs[r] && qs[r] < qe[r] && qe[r] <= query.size(0) && sl[r] >= qe[r] - qs[r] &&
+                    sl[r] <= capacity,
+                "request ", r, ": bad query rows or context length");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    auto run = [&](auto* cache_type) {
+      using cache_t = std::remove_pointer_t<decltype(cache_type)>;
+      attention_kernel<scalar_t, cache_t>(
+          query.data_ptr<scalar_t>(), static_cast<const cache_t*>(key_cache.data_ptr()),
+          static_cast<const cache_t*>(value_cache.data_ptr()), table.data_ptr<int32_t>(), qs, qe, sl,
+          out.data_ptr<scalar_t>(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+          table.size(1), static_cast<float>(scale), sliding_window, static_cast<float>(soft_cap));
+    };
+    if (q8) run(static_cast<int8_t*>(nullptr));
+    else run(static_cast<scalar_t*>(nullptr));
   });
+}
+
+// paged_attention with one query row per request, request r's at row r.
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_table,
+                                     torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                                     double soft_cap) {
+  TORCH_CHECK(query.dim() == 3 && query.size(0) == seq_lens.numel(), "one query row per request");
+  auto starts = torch::arange(query.size(0), torch::dtype(torch::kInt));
+  auto out = torch::empty_like(query);
+  paged_attention(out, query, key_cache, value_cache, block_table, starts, starts + 1, seq_lens,
+                  scale, sliding_window, soft_cap);
   return out;
 }
 
-// One decode step of a layer in one call (the steady decode batch, every row a decode):
-// write the rows' new key/value into their slots of kv_cache [2, blocks, block_size,
-// kv_heads, head_dim], then paged_decode_attention over it. key/value [n, kv_heads,
-// head_dim] may be row-strided views (of the fused qkv projection); slot_mapping int64.
-// Saves the per-layer Python and dispatch of index_copy_ and the cache views (~25 us per
-// layer at batch 1).
-torch::Tensor paged_decode_step(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor key,
-                                torch::Tensor value, torch::Tensor slot_mapping,
-                                torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                                int64_t sliding_window, double soft_cap) {
+// Writes the rows' new key/value [n, kv_heads, head_dim] (row-strided views of the fused
+// qkv projection may come in) into their slots of kv_cache [2, blocks, block_size, kv_heads,
+// row]: copied for a float cache in their dtype, quantised for an int8 one.
+void write_kv(torch::Tensor kv_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
+              "kv_cache must be a contiguous [2, blocks, block_size, kv_heads, row] tensor");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
               "key and value must be [n, kv_heads, head_dim]");
-  const int64_t n = key.size(0), row = key.size(1) * key.size(2);
-  TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4),
+  const bool q8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t n = key.size(0), heads = key.size(1), head_dim = key.size(2);
+  const int64_t row_dim = head_dim + (q8 ? kQ8ScaleBytes : 0);
+  TORCH_CHECK(heads == kv_cache.size(3) && row_dim == kv_cache.size(4),
               "key heads or head_dim differ from the cache's");
   for (const auto& t : {key, value})
     TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "key/value rows must be contiguous");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && (q8 || key.scalar_type() == kv_cache.scalar_type()),
               "key/value and cache dtypes differ");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n,
               "slot_mapping must be int64 [n]");
   auto slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t elem = kv_cache.element_size();
-  auto* kc = static_cast<uint8_t*>(kv_cache.data_ptr());
-  auto* vc = kc + num_slots * row * elem;
-  const auto* kp = static_cast<const uint8_t*>(key.data_ptr());
-  const auto* vp = static_cast<const uint8_t*>(value.data_ptr());
   for (int64_t i = 0; i < n; ++i)  // every slot checked before any row is written
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " outside the cache");
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(kc + sp[i] * row * elem, kp + i * key.stride(0) * elem, row * elem);
-    std::memcpy(vc + sp[i] * row * elem, vp + i * value.stride(0) * elem, row * elem);
-  }
+  const int64_t slot_bytes = heads * row_dim * kv_cache.element_size();
+  auto* kc = static_cast<uint8_t*>(kv_cache.data_ptr());
+  auto* vc = kc + num_slots * slot_bytes;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv", [&] {
+    const scalar_t* kp = key.data_ptr<scalar_t>();
+    const scalar_t* vp = value.data_ptr<scalar_t>();
+    auto write = [&](int64_t i) {
+      uint8_t* kdst = kc + sp[i] * slot_bytes;
+      uint8_t* vdst = vc + sp[i] * slot_bytes;
+      const scalar_t* ksrc = kp + i * key.stride(0);
+      const scalar_t* vsrc = vp + i * value.stride(0);
+      if (!q8) {
+        std::memcpy(kdst, ksrc, slot_bytes);
+        std::memcpy(vdst, vsrc, slot_bytes);
+        return;
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        quantize_row(ksrc + h * head_dim, head_dim, reinterpret_cast<int8_t*>(kdst) + h * row_dim);
+        quantize_row(vsrc + h * head_dim, head_dim, reinterpret_cast<int8_t*>(vdst) + h * row_dim);
+      }
+    };
+    if (q8 && n >= 64) {
+      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) write(i);
+      });
+    } else {
+      for (int64_t i = 0; i < n; ++i) write(i);
+    }
+  });
+}
+
+// One decode step of a layer in one call (the steady decode batch, every row a decode):
+// write_kv, then paged_decode_attention. Saves the per-layer Python and dispatch of
+// index_copy_ and the cache views (~25 us per layer at batch 1).
+torch::Tensor paged_decode_step(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor key,
+                                torch::Tensor value, torch::Tensor slot_mapping,
+                                torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                                int64_t sliding_window, double soft_cap) {
+  write_kv(kv_cache, key, value, slot_mapping);
   return paged_decode_attention(query.contiguous(), kv_cache[0], kv_cache[1], block_table, seq_lens,
                                 scale, sliding_window, soft_cap);
 }
