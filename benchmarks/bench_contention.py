@@ -49,7 +49,8 @@ def stream_gaps(port: int, tokens: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def run_setting(setting: str, args: argparse.Namespace) -> list[dict]:
+def start_server(setting: str, *extra: str) -> ServerProcess:
+    """A `pagedinfer serve` with a setting's flags and VAR=VALUE environment words."""
     words = setting.split() if setting != "default" else []
     env = dict(os.environ)
     flags = []
@@ -63,10 +64,14 @@ def run_setting(setting: str, args: argparse.Namespace) -> list[dict]:
     os.environ.clear()
     os.environ.update(env)  # ServerProcess inherits the environment
     try:
-        srv = ServerProcess("--max-model-len", "1024", *flags)
+        return ServerProcess(*extra, *flags)
     finally:
         os.environ.clear()
         os.environ.update(old)
+
+
+def run_setting(setting: str, args: argparse.Namespace) -> list[dict]:
+    srv = start_server(setting, "--max-model-len", "1024")
     rows = []
     try:
         stream_gaps(srv.port, 8)  # warm-up

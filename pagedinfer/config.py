@@ -94,8 +94,10 @@ class ModelConfig:
     run-queue delays). Every parallel op waits for its slowest thread, so one thread that
     loses its core stalls them all: beside one busy process on 2 cores, decode went from
     18 ms to 1.15 s per token with 2 threads, 21.6 ms with this on (docs/benchmarks.md).
-    Off by default until its effect on a whole test suite's and a loaded server's time is
-    measured (a CI run with it on looked slower; not yet explained)."""
+    Off by default for the offline API (a process that owns its machine), on by default
+    for `pagedinfer serve` (`--no-adapt-threads` to turn it off), whose API process and
+    clients share the cores: under aiperf's load on 2 cores the mean ITL was 327 ms with
+    it off and 14.2-14.4 ms with it on."""
     logprobs_mode: Literal[
         "raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"
     ] = "raw_logprobs"

@@ -23,7 +23,7 @@
   `ThreadGovernor` watches how long this process's threads wait for a CPU (the kernel's
   per-thread run-queue delay) and drops a thread when they wait much, then returns to
   the configured count once the other processes are gone (probing, with back-off);
-  `ModelConfig.adapt_threads`, off by default for now.
+  `ModelConfig.adapt_threads`, on by default for `pagedinfer serve`, off offline.
   Passive waiting (`OMP_WAIT_POLICY=PASSIVE`) also ends the stalls but costs 2.2x when
   idle (38.7 ms per token), so the spin stays.
 """

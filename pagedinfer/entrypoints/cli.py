@@ -148,6 +148,11 @@ def _add_serving_parsers(sub: Any) -> None:
         "clients such as lm-evaluation-harness use to tokenize through the server.",
     )
     add_engine_args(serve)
+    # A server shares its cores with its API process and its clients: measured with aiperf
+    # (40 requests, concurrency 4) on the same 2 cores, mean ITL 327 ms with 2 fixed threads
+    # and 14.2-14.4 ms with the governor, against 11.2-12.3 ms under guidellm's light client
+    # (docs/benchmarks.md, "Two load generators"). Offline runs own their machine: off there.
+    serve.set_defaults(adapt_threads=True)
 
     proxy = sub.add_parser(
         "disagg-proxy",
