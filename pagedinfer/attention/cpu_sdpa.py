@@ -259,20 +259,7 @@ class CpuSdpaBackend(AttentionBackend):
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         chunks, decode_groups = metadata.for_window(options.sliding_window)
         cap = options.logits_soft_cap
-
-        for chunk in chunks:
-            # 4-D inputs ([1, heads, len, dim]): torch's fused CPU flash kernel only takes
-            # batched inputs; 3-D ones fall back to the unfused math path (~10x slower).
-            q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, heads, q, dim]
-            if chunk.slots is None:
-                k = key[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, kv_heads, q, dim]
-                v = value[chunk.q_start : chunk.q_end].transpose(0, 1)[None]
-            else:
-                k = read_rows(key_cache, chunk.slots, dtype)  # [seq, kv_heads, dim]
-                v = read_rows(value_cache, chunk.slots, dtype)
-                k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, seq, dim]
-            o = self._attend(q, k, v, chunk.mask, cap)
-            out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
+        self._attend_chunks(query, key, value, kv_cache, chunks, out, cap)
 
         for group in decode_groups:
             n = group.slots.shape[0]
@@ -283,6 +270,33 @@ class CpuSdpaBackend(AttentionBackend):
             o = self._attend(q, k, v, group.mask, cap, causal=False).squeeze(2)  # [n, heads, dim]
             _put_rows(out, group.contiguous_start, group.token_idx, o)
         return out
+
+    def _attend_chunks(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        chunks: list[_Chunk],
+        out: torch.Tensor,
+        cap: float | None,
+    ) -> None:
+        """SDPA for multi-row requests into `out`: fresh prefills on this step's K/V, chunks
+        over a cached prefix on their context gathered (and dequantised) from the cache."""
+        key_cache, value_cache = flat_kv_cache(kv_cache)  # [num_slots, kv_heads, row]
+        for chunk in chunks:
+            # 4-D inputs ([1, heads, len, dim]): torch's fused CPU flash kernel only takes
+            # batched inputs; 3-D ones fall back to the unfused math path (~10x slower).
+            q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, heads, q, dim]
+            if chunk.slots is None:
+                k = key[chunk.q_start : chunk.q_end]  # [q, kv_heads, dim]
+                v = value[chunk.q_start : chunk.q_end]
+            else:
+                k = read_rows(key_cache, chunk.slots, query.dtype)  # [seq, kv_heads, dim]
+                v = read_rows(value_cache, chunk.slots, query.dtype)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, len, dim]
+            o = self._attend(q, k, v, chunk.mask, cap)
+            out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)
 
     def _attend(
         self,
@@ -437,38 +451,12 @@ class CpuPagedBackend(CpuSdpaBackend):
             )  # fmt: skip
             paged = metadata.paged_decodes
         else:
-            self._sdpa_fresh(query, key, value, out, metadata, options, kv_cache)
+            # SDPA for the multi-row requests the kernel does not take.
+            chunks, _ = metadata.for_window(options.sliding_window)
+            self._attend_chunks(query, key, value, kv_cache, chunks, out, options.logits_soft_cap)
         if paged is not None:
             self.kernel.paged_attention(
                 out, query, kv_cache[0], kv_cache[1], paged.block_table, paged.q_start,
                 paged.q_end, paged.seq_lens, self.scale, window, cap,
             )  # fmt: skip
         return out
-
-    def _sdpa_fresh(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        out: torch.Tensor,
-        metadata: CpuSdpaMetadata,
-        options: AttentionOptions,
-        kv_cache: torch.Tensor,
-    ) -> None:
-        """SDPA for the requests the kernel does not take: fresh prefills on this step's
-        K/V, chunks on their context gathered from the cache."""
-        chunks, _ = metadata.for_window(options.sliding_window)
-        if not chunks:
-            return
-        key_cache, value_cache = flat_kv_cache(kv_cache)
-        for chunk in chunks:
-            q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, heads, q, dim]
-            if chunk.slots is None:
-                k = key[chunk.q_start : chunk.q_end]  # [q, kv_heads, dim]
-                v = value[chunk.q_start : chunk.q_end]
-            else:
-                k = read_rows(key_cache, chunk.slots, query.dtype)  # [seq, kv_heads, dim]
-                v = read_rows(value_cache, chunk.slots, query.dtype)
-            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            o = self._attend(q, k, v, chunk.mask, options.logits_soft_cap)
-            out[chunk.q_start : chunk.q_end] = o[0].transpose(0, 1)

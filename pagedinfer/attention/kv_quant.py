@@ -76,4 +76,4 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def read_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The cache rows at `slots` (a gather of [num_slots, kv_heads, row]), as `dtype` values."""
     rows = cache[slots]
-    return dequantize_rows(rows, dtype) if cache.dtype == torch.int8 else rows.to(dtype)
+    return dequantize_rows(rows, dtype) if is_quantized_cache(cache) else rows.to(dtype)
