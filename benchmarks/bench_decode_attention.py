@@ -8,13 +8,22 @@ scattered over a cache larger than the last-level cache, as the engine's are. By
 every K and V row each request attends to, once (the kernel's minimum); block tables are
 redrawn between calls so each call reads from DRAM.
 
+Where the blocks lie (--placement): "random" (any block anywhere: the worst case, the
+default), "sequential" (each request's blocks consecutive, as a fresh prefill gets them
+from an empty pool) or "interleaved" (block i of every request, then block i + 1: what
+decoding many requests at once appends). --huge-pages asks Linux for 2 MiB pages for the
+cache (madvise MADV_HUGEPAGE; the engine's cache takes what torch gives: 4 KiB pages where
+transparent huge pages are "madvise", see docs/benchmarks.md for why it stays so).
+
     .venv/bin/python benchmarks/bench_decode_attention.py [--dtype float32] \
-        [--kv-cache-dtype int8] [--cases 1x1000,1x4000,1x16000,8x1000,200x300] [--out a.json]
+        [--kv-cache-dtype int8] [--cases 1x1000,1x4000,1x16000,8x1000,200x300] \
+        [--placement random] [--huge-pages] [--cache-mb 1024] [--out a.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -25,25 +34,57 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros, the 2 MiB-aligned part of its memory advised MADV_HUGEPAGE (Linux)
+    before the zeros first touch it."""
+    tensor = torch.empty(*shape, dtype=dtype)
+    huge, nbytes = 2 << 20, tensor.numel() * tensor.element_size()
+    start = -(-tensor.data_ptr() // huge) * huge
+    end = (tensor.data_ptr() + nbytes) // huge * huge
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(start, end - start, 14) != 0:  # MADV_HUGEPAGE
+            sys.exit(f"madvise(MADV_HUGEPAGE) failed: errno {ctypes.get_errno()}")
+    return tensor.zero_()
+
+
 def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
             dtype: torch.dtype, block_size: int = 16, min_s: float = 1.0,
-            kv_int8: bool = False) -> dict:  # fmt: skip
+            kv_int8: bool = False, placement: str = "random",
+            huge_pages: bool = False, cache_mb: int = 1024) -> dict:  # fmt: skip
     blocks_per_req = -(-ctx // block_size)
-    num_blocks = max(reqs * blocks_per_req, (1 << 30) // (block_size * kv_heads * head_dim * 4))
+    fp32_block = block_size * kv_heads * head_dim * 4
+    num_blocks = max(reqs * blocks_per_req, (cache_mb << 20) // fp32_block)
     g = torch.Generator().manual_seed(0)
-    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    if kv_int8:  # rows of int8 codes and their scale (attention/kv_quant.py)
-        from pagedinfer.attention.kv_quant import quantize_rows
+    shape = (num_blocks, block_size, kv_heads, head_dim)
 
-        kc, vc = quantize_rows(kc), quantize_rows(vc)
+    def cache() -> torch.Tensor:
+        values = torch.randn(*shape, generator=g).to(dtype)
+        if kv_int8:  # rows of int8 codes and their scale (attention/kv_quant.py)
+            from pagedinfer.attention.kv_quant import quantize_rows
+
+            values = quantize_rows(values)
+        if not huge_pages:
+            return values
+        return zeros_on_huge_pages(tuple(values.shape), values.dtype).copy_(values)
+
+    kc, vc = cache(), cache()
     moved = 2 * reqs * ctx * kv_heads * kc.shape[-1] * kc.element_size()
     # Block tables drawn afresh, enough of them that the calls read ~512 MB between two
     # uses of one table: every call reads from DRAM, not from a cache the last call filled.
-    tables = [
-        torch.randperm(num_blocks, generator=g)[: reqs * blocks_per_req].view(reqs, -1).int()
-        for _ in range(min(64, max(1, -(-(512 << 20) // moved))))
-    ]
+    used = reqs * blocks_per_req
+
+    def table() -> torch.Tensor:
+        if placement == "random":
+            return torch.randperm(num_blocks, generator=g)[:used].view(reqs, -1).int()
+        first = int(torch.randint(0, num_blocks - used + 1, (1,), generator=g))
+        ids = torch.arange(first, first + used)
+        if placement == "sequential":
+            return ids.view(reqs, -1).int()
+        return ids.view(blocks_per_req, reqs).t().contiguous().int()  # interleaved
+
+    tables = [table() for _ in range(min(64, max(1, -(-(512 << 20) // moved))))]
     q = torch.randn(reqs, heads, head_dim, generator=g).to(dtype)
     lens = torch.full((reqs,), ctx, dtype=torch.int32)
     scale = head_dim**-0.5
@@ -71,6 +112,15 @@ def main() -> None:
         choices=["auto", "int8"],
         help="auto: the cache in --dtype; int8: int8 rows (bytes counted as such)",
     )
+    parser.add_argument(
+        "--placement", default="random", choices=["random", "sequential", "interleaved"]
+    )
+    parser.add_argument("--huge-pages", action="store_true")
+    parser.add_argument(
+        "--cache-mb", type=int, default=1024,
+        help="float32-equivalent MiB the cache spans (0: just the blocks the case reads, "
+        "which then stay in the last-level cache when they fit)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from benchmarks.ceilings import cpu_facts
@@ -80,14 +130,16 @@ def main() -> None:
     if kernels is None:
         sys.exit("the C++ kernels cannot be built here")
     facts = {**cpu_facts(), "kernel_tier": kernel_isa(), "dtype": args.dtype,
-             "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
+             "kv_cache_dtype": args.kv_cache_dtype, "placement": args.placement,
+             "huge_pages": args.huge_pages, "cache_mb": args.cache_mb}  # fmt: skip
     print(json.dumps(facts))
     rows = []
     for case in args.cases.split(","):
         reqs, ctx = (int(x) for x in case.split("x"))
         int8 = args.kv_cache_dtype == "int8"
         row = measure(kernels, reqs, ctx, args.heads, args.kv_heads, args.head_dim,
-                      getattr(torch, args.dtype), kv_int8=int8)  # fmt: skip
+                      getattr(torch, args.dtype), kv_int8=int8, placement=args.placement,
+                      huge_pages=args.huge_pages, cache_mb=args.cache_mb)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

@@ -1,5 +1,7 @@
 """Where a batch-1 decode token's time goes: per-token milliseconds of the engine step, the
-model's forward, its layers and their parts, and of each C++ kernel entry point.
+model's forward, its layers and their parts, and of each C++ kernel entry point. With
+`--prefill N`: the same for a prefill of N tokens (to the first token; the prefix cache
+reset before each of `--repeats`), per prefill.
 
 Wraps (in this process only) the C++ kernel calls of the loaded model and the forward of
 its modules with timers, decodes one request greedily, and prints the totals per generated
@@ -7,7 +9,7 @@ token. The timers add ~1 us per wrapped call, so the parts sum to a little more 
 unwrapped run; run without `--breakdown` for the plain tok/s.
 
     .venv/bin/python benchmarks/bench_step_breakdown.py [--model GGUF] [--tokens 256] \
-        [--quant-activations int8] [--breakdown | --no-breakdown]
+        [--quant-activations int8] [--breakdown | --no-breakdown] [--prefill 512 --repeats 10]
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quant-activations", default="auto")
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--prefill", type=int, default=0, help="time prefills of this length")
+    parser.add_argument("--repeats", type=int, default=10, help="prefills timed (--prefill)")
     args = parser.parse_args()
 
     import torch
@@ -100,20 +104,35 @@ def main() -> None:
     from pagedinfer import LLM, SamplingParams
 
     llm = LLM(args.model, log_stats_interval_s=0, quant_activations=args.quant_activations)
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(100, 120))}
-    llm.generate(prompt, params, use_tqdm=False)  # warm-up
+    if args.prefill:
+        unit, n = "prefill", args.repeats
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prompt = {"prompt_token_ids": [100 + (i * 7919) % 30000 for i in range(args.prefill)]}
+    else:
+        unit, n = "token", args.tokens
+        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+        prompt = {"prompt_token_ids": list(range(100, 120))}
+
+    def run() -> None:
+        for _ in range(args.repeats if args.prefill else 1):
+            llm.reset_prefix_cache()  # every prefill computes all its tokens
+            llm.generate(prompt, params, use_tqdm=False)
+
+    run()  # warm-up
     if args.breakdown:
         _instrument(llm)
     _totals.clear()
     _calls.clear()
     start = time.perf_counter()
-    llm.generate(prompt, params, use_tqdm=False)
+    run()
     elapsed = time.perf_counter() - start
-    n = args.tokens
-    print(f"{n / elapsed:.1f} tok/s, {elapsed / n * 1e3:.2f} ms per token")
+    if args.prefill:
+        rate = args.prefill * n / elapsed
+        print(f"{rate:.1f} prompt tok/s, {elapsed / n * 1e3:.2f} ms per prefill")
+    else:
+        print(f"{n / elapsed:.1f} tok/s, {elapsed / n * 1e3:.2f} ms per token")
     if args.breakdown:
-        print("| part | ms per token | calls per token | us per call |")
+        print(f"| part | ms per {unit} | calls per {unit} | us per call |")
         print("|---|---|---|---|")
         for label, total in _totals.most_common():
             calls = _calls[label]
