@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,6 +82,30 @@ def _scored(args, kv_cache_dtype: str, sequences: list[list[int]]) -> list[list[
     ]
 
 
+def logprob_agreement(pairs: Iterable[tuple[dict[int, float], dict[int, float]]]) -> dict:
+    """Over (reference, other) top-k logprobs per position (positions either side left
+    empty are skipped): how often the most likely token agrees, and |delta log p| of the
+    reference's most likely token (mean, p99, max)."""
+    agree = positions = 0
+    drift: list[float] = []
+    for a, b in pairs:
+        if not a or not b:
+            continue
+        top_a = max(a, key=a.__getitem__)
+        positions += 1
+        agree += top_a == max(b, key=b.__getitem__)
+        if top_a in b:
+            drift.append(abs(a[top_a] - b[top_a]))
+    drift.sort()
+    return {
+        "positions": positions,
+        "top1_agreement": round(agree / max(positions, 1), 4),
+        "drift_logp_mean": round(statistics.fmean(drift), 5) if drift else None,
+        "drift_logp_p99": round(drift[int(0.99 * (len(drift) - 1))], 5) if drift else None,
+        "drift_logp_max": round(drift[-1], 5) if drift else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2)")
@@ -105,30 +130,22 @@ def main() -> None:
     sequences = [p + o for p, o in zip(prompts, ref)]
     float_lp = _scored(args, "auto", sequences)
     int8_lp = _scored(args, "int8", sequences)
-    agree = positions = 0
-    drift: list[float] = []
-    for p, a, b in zip(prompts, float_lp, int8_lp):
-        for pos in range(len(p), len(a)):  # the output positions
-            if not a[pos] or not b[pos]:
-                continue
-            top_a = max(a[pos], key=a[pos].__getitem__)
-            top_b = max(b[pos], key=b[pos].__getitem__)
-            positions += 1
-            agree += top_a == top_b
-            if top_a in b[pos]:
-                drift.append(abs(a[pos][top_a] - b[pos][top_a]))
-    drift.sort()
+    scores = logprob_agreement(
+        (a[pos], b[pos])
+        for p, a, b in zip(prompts, float_lp, int8_lp)
+        for pos in range(len(p), len(a))  # the output positions
+    )
     result = {
         "prompts": len(prompts),
         "output_tokens": total,
         "identical_outputs": sum(f == len(a) for f, a in zip(firsts, ref)),
         "tokens_before_first_difference": round(sum(firsts) / total, 4),
         "first_difference_median": statistics.median(firsts),
-        "teacher_forced_positions": positions,
-        "teacher_forced_top1_agreement": round(agree / max(positions, 1), 4),
-        "drift_logp_mean": round(statistics.fmean(drift), 5) if drift else None,
-        "drift_logp_p99": round(drift[int(0.99 * (len(drift) - 1))], 5) if drift else None,
-        "drift_logp_max": round(drift[-1], 5) if drift else None,
+        "teacher_forced_positions": scores["positions"],
+        "teacher_forced_top1_agreement": scores["top1_agreement"],
+        "drift_logp_mean": scores["drift_logp_mean"],
+        "drift_logp_p99": scores["drift_logp_p99"],
+        "drift_logp_max": scores["drift_logp_max"],
         "greedy_seconds": {"auto": round(ref_s, 2), "int8": round(q8_s, 2)},
         "dtype": args.dtype,
         "model": args.model or "SmolLM2-135M-Instruct (default)",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,24 +90,6 @@ def _score(args, mode: str, out_path: str) -> None:
         json.dump([[list(p.items()) for p in r] for r in scored], f)
 
 
-def _compare(ref: list, other: list) -> dict:
-    agree = total = 0
-    drift = []
-    for ref_seq, seq in zip(ref, other, strict=True):
-        for ref_pos, pos in zip(ref_seq, seq, strict=True):
-            r, o = dict(ref_pos), dict(pos)
-            top = max(r, key=r.get)
-            total += 1
-            agree += top == max(o, key=o.get)
-            if top in o:
-                drift.append(abs(o[top] - r[top]))
-    drift.sort()
-    return {"positions": total, "top1_agree_pct": round(100 * agree / total, 2),
-            "dlogp_mean": round(statistics.mean(drift), 4),
-            "dlogp_p99": round(drift[int(0.99 * (len(drift) - 1))], 3),
-            "dlogp_max": round(drift[-1], 3)}  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -131,8 +112,15 @@ def main() -> None:
             subprocess.run(argv, check=True)
             with open(path) as f:
                 results[mode] = json.load(f)
+    from benchmarks.bench_kv_cache_dtype import logprob_agreement
+
     for mode in ("bf16", "w8", "w8a8"):
-        print(json.dumps({"mode": mode, **_compare(results["fp32"], results[mode])}))
+        pairs = (
+            (dict(ref_pos), dict(pos))
+            for ref_seq, seq in zip(results["fp32"], results[mode], strict=True)
+            for ref_pos, pos in zip(ref_seq, seq, strict=True)
+        )
+        print(json.dumps({"mode": mode, **logprob_agreement(pairs)}))
 
 
 if __name__ == "__main__":

@@ -372,20 +372,20 @@ class CpuPagedBackend(CpuSdpaBackend):
     def build(self, common: CommonAttentionMetadata) -> CpuSdpaMetadata:
         qsl = common.query_start_loc_cpu
         seq_lens = common.seq_lens_cpu
-        decodes, kernel, multi = [], [], []
+        decodes, kernel, sdpa = [], [], []
         for r in range(common.num_reqs):
             query_len = qsl[r + 1] - qsl[r]
             if query_len == 1:
                 decodes.append(r)
                 continue
-            multi.append(r)
             fresh = seq_lens[r] == query_len
             if seq_lens[r] <= KERNEL_MAX_CONTEXT and not (fresh and self.quantized_cache):
                 kernel.append(r)
-        # SDPA takes the rest: fresh prefills on this step's K/V, chunks on their gathered
-        # context (the decode groups stay empty: the kernel takes every decode).
-        taken = set(kernel)
-        sdpa = [r for r in multi if r not in taken]
+            else:
+                # SDPA: a fresh prefill on this step's K/V, a chunk on its gathered context
+                # (the decode groups stay empty: the kernel takes every decode).
+                sdpa.append(r)
+        multi = sorted(kernel + sdpa)
         metadata = self._sdpa_chunks(common, sdpa)
         metadata.paged = self._requests(common, sorted(decodes + kernel))
         if self.prefill_kernel and multi:
