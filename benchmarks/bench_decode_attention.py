@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16, help="positions per cache block")
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -131,6 +132,7 @@ def main() -> None:
         sys.exit("the C++ kernels cannot be built here")
     facts = {**cpu_facts(), "kernel_tier": kernel_isa(), "dtype": args.dtype,
              "kv_cache_dtype": args.kv_cache_dtype, "placement": args.placement,
+             "block_size": args.block_size,
              "huge_pages": args.huge_pages, "cache_mb": args.cache_mb}  # fmt: skip
     print(json.dumps(facts))
     rows = []
@@ -138,7 +140,8 @@ def main() -> None:
         reqs, ctx = (int(x) for x in case.split("x"))
         int8 = args.kv_cache_dtype == "int8"
         row = measure(kernels, reqs, ctx, args.heads, args.kv_heads, args.head_dim,
-                      getattr(torch, args.dtype), kv_int8=int8, placement=args.placement,
+                      getattr(torch, args.dtype), block_size=args.block_size, kv_int8=int8,
+                      placement=args.placement,
                       huge_pages=args.huge_pages, cache_mb=args.cache_mb)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--quant-max-tokens", type=int, default=None, help="engine default")
     parser.add_argument("--quant-activations", default="auto", choices=["auto", "float32", "int8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--block-size", type=int, default=None, help="engine default")
     args = parser.parse_args()
     workload = load_workload(args.workload, args.num_requests)
 
@@ -61,6 +62,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from pagedinfer import LLM, SamplingParams
+    from pagedinfer.kernels.cpu import kernel_isa
 
     rss_before = _rss_mb()
     start = time.perf_counter()
@@ -74,6 +76,7 @@ def main() -> None:
         max_model_len=_max_model_len(args),
         kv_cache_dtype=args.kv_cache_dtype,
         **({} if args.quant_max_tokens is None else {"quant_max_tokens": args.quant_max_tokens}),
+        **({} if args.block_size is None else {"block_size": args.block_size}),
         quant_activations=args.quant_activations,
     )
     load_s = time.perf_counter() - start
@@ -115,6 +118,8 @@ def main() -> None:
         "dtype": str(worker.dtype).removeprefix("torch."),
         "quant_activations": args.quant_activations,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": worker.config.cache_config.block_size,
+        "kernel_tier": kernel_isa(),
         "threads": args.threads,
         "load_s": round(load_s, 2),
     }

@@ -16,10 +16,13 @@
 # llama1b-q4_0 / llama1b-q4_k_m (benchmarks/make_llama1b.py's files in $MODELS_DIR, made if
 # missing; SmolLM2's token ids). 1B-scale models run LARGE_REQUESTS requests. Ours:
 # "default" (the engine's defaults: float32 activations on float32 models), "int8"
-# (--quant-activations int8, the arithmetic llama.cpp and OpenVINO use). Peers: installed
+# (--quant-activations int8, the arithmetic llama.cpp and OpenVINO use), "kv8" (the int8 KV
+# cache, as OpenVINO's u8 one). Peers: installed
 # by benchmarks/peers/install.sh; vllm (bf16 HF directory) only where its venv exists.
 # Environment: PEERS_WORK (/opt/peers/work), MODELS_DIR (/opt/peers/models), THREADS (2),
 # LLAMACPP_REQUESTS (llama.cpp serves one request at a time: first N, default 50 / 8).
+# The AVX2-capped table: PAGEDINFER_MAX_CPU_ISA=avx2 PEERS="llamacpp-avx2 openvino" (our
+# kernels capped to AVX2; llama.cpp built without AVX-512 by install.sh llamacpp-avx2).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
@@ -70,6 +73,7 @@ for model in $MODELS; do
     for peer in $PEERS; do
       case "$peer" in
         llamacpp) peer_py=/opt/peers/llamacpp/bin/python ;;
+        llamacpp-avx2) peer_py=/opt/peers/llamacpp-avx2/bin/python ;;
         openvino) peer_py=/opt/peers/openvino/bin/python ;;
         vllm) peer_py=/opt/peers/vllm/bin/python ;;
         *) echo "unknown peer $peer" >&2; exit 1 ;;
@@ -79,6 +83,7 @@ for model in $MODELS; do
       for setting in $OURS; do
         args=()
         [ "$setting" = int8 ] && args=(--quant-activations int8)
+        [ "$setting" = kv8 ] && args=(--kv-cache-dtype int8)
         run "$pair-pagedinfer-$setting" \
           "{\"bench_model\": \"$model\", \"round\": $round, \"pair\": \"$pair\", \"setting\": \"$setting\"}" \
           "$PY" "$ROOT/benchmarks/bench_pagedinfer.py" --model "$gguf" --num-requests "$n" \
@@ -86,7 +91,7 @@ for model in $MODELS; do
       done
       tags="{\"bench_model\": \"$model\", \"round\": $round, \"pair\": \"$pair\", \"setting\": \"$peer\"}"
       case "$peer" in
-        llamacpp) run "$pair" "$tags" "$peer_py" "$ROOT/benchmarks/peers/llamacpp_bench.py" \
+        llamacpp|llamacpp-avx2) run "$pair" "$tags" "$peer_py" "$ROOT/benchmarks/peers/llamacpp_bench.py" \
                     --model "$gguf" --num-requests "$n_llama" "${common[@]}" ;;
         openvino) run "$pair" "$tags" "$peer_py" "$ROOT/benchmarks/peers/openvino_bench.py" \
                     --model "$gguf" --num-requests "$n" "${common[@]}" ;;

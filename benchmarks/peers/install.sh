@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create the peer venvs outside the repo (none of this is a pagedinfer dependency).
-#   benchmarks/peers/install.sh [llamacpp|vllm|openvino|all]      (PEERS_DIR=/opt/peers by default)
+#   benchmarks/peers/install.sh [llamacpp|llamacpp-avx2|vllm|openvino|all]      (PEERS_DIR=/opt/peers by default)
 # The repo venv (.venv, transformers) serves the Hugging Face peer; nothing to install for it.
 set -euo pipefail
 PEERS_DIR="${PEERS_DIR:-/opt/peers}"
@@ -27,6 +27,19 @@ if [ "$what" = all ] || [ "$what" = llamacpp ]; then
   "$PEERS_DIR/llamacpp/bin/pip" install numpy
   CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$PEERS_DIR/llamacpp/bin/pip" install llama-cpp-python
+fi
+
+if [ "$what" = llamacpp-avx2 ]; then
+  # The same llama.cpp built for AVX2 only (#23's capped table): no -march=native, AVX-512
+  # off, and the AVX2-era extensions our avx2 tier also uses (FMA, F16C, BMI2, AVX-VNNI).
+  "$PY" -m venv "$PEERS_DIR/llamacpp-avx2"
+  "$PEERS_DIR/llamacpp-avx2/bin/pip" install -U pip wheel setuptools
+  "$PEERS_DIR/llamacpp-avx2/bin/pip" install numpy
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF \
+-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+-DGGML_AMX_BF16=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "$PEERS_DIR/llamacpp-avx2/bin/pip" install --no-cache-dir llama-cpp-python==0.3.36
 fi
 
 if [ "$what" = all ] || [ "$what" = openvino ]; then

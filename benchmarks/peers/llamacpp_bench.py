@@ -131,6 +131,8 @@ def main() -> None:
         "offline_s": round(offline_s, 2),
         "offline_mode": "sequential (batch 1)",
         "use_extra_bufts": args.extra_bufts,
+        # What the build uses ("AVX2 = 1 | AVX512 = 0 | ..."): the ISA llama.cpp ran with.
+        "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
     }
     result.update(prefill_and_decode(generate, workload, args.decode_tokens, args.repeats))
     emit(result)

@@ -87,7 +87,7 @@ def deployment(request, reference, tmp_path_factory) -> Iterator[Deployment]:
 
     servers: list[ServerProcess] = []
     try:
-        flags = small_engine_flags(512)
+        flags = [*small_engine_flags(512), "--block-size", str(BLOCK_SIZE)]  # prompts of few blocks
         avoid = tuple(producer.values())  # the ZMQ producer's kv_port
         servers.append(ServerProcess("--kv-transfer-config", config("kv_producer", **producer),
                                      *flags, avoid_ports=avoid))  # fmt: skip

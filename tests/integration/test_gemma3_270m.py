@@ -145,7 +145,8 @@ def test_kv_connector_and_trace_on_gemma(tmp_path) -> None:
 
     prompts = [p * 8 for p in PROMPTS[:3]]  # 40-90 tokens: several blocks each
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    engine = {"dtype": "bfloat16", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}
+    engine = {"dtype": "bfloat16", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20,
+              "block_size": 16}  # fmt: skip
     with LLM("gemma-3-270m", **engine) as llm:
         reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 

@@ -105,6 +105,7 @@ def test_family_matches_transformers_through_every_path(checkpoint: Checkpoint, 
         dtype="float32",
         max_model_len=160,
         max_num_batched_tokens=32,  # every prompt is prefilled in chunks, beside decodes
+        block_size=16,  # 14 small blocks: the prompts preempt each other; hits of 32 tokens
         kv_cache_memory_bytes=14 * _block_bytes(checkpoint.hf_dir),
     ) as llm:
         outs = _generate(llm, _prompts())

@@ -235,7 +235,7 @@ def _metric(samples, name: str, **labels: str) -> float:
 
 def test_metrics_count_requests_tokens_and_latencies(server, client) -> None:
     before = _scrape(server)
-    prompt = "The history of the printing press in Europe begins " * 8  # > 2 blocks
+    prompt = "The history of the printing press in Europe begins " * 28  # > 2 blocks of 128
     runs = [  # the second finds the first's blocks in the prefix cache
         client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}

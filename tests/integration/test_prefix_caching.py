@@ -24,7 +24,9 @@ def _greedy(max_tokens: int = MAX_NEW_TOKENS):
 def _llm(**kwargs):
     from pagedinfer import LLM
 
-    opts = {"dtype": "float32", "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 2048}
+    # 16-token blocks (the default is 128): the prompts here share prefixes of a few blocks.
+    opts = {"dtype": "float32", "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 2048,
+            "block_size": BLOCK}  # fmt: skip
     opts.update(kwargs)
     return LLM(**opts)
 

@@ -14,7 +14,7 @@ def test_trace_of_chunked_prefill_and_a_prefix_hit(tmp_path, prompts) -> None:
     from pagedinfer.entrypoints.cli import main
 
     trace = tmp_path / "run.jsonl"
-    llm = LLM(trace_path=str(trace), max_num_batched_tokens=64, max_model_len=2048)
+    llm = LLM(trace_path=str(trace), max_num_batched_tokens=64, max_model_len=2048, block_size=16)
     long_prompt = prompts[8]  # > 300 tokens: several 64-token-budget chunks
     short = [prompts[0], prompts[1]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -32,7 +32,8 @@ from tests.integration.server_proc import free_port
 
 pytestmark = pytest.mark.integration
 
-ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_memory_bytes=64 << 20)
+# 16-token blocks (the default is 128): the prompts below are sized in blocks of 16.
+ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, block_size=16)
 MAX_TOKENS = 8
 TRANSFER_TIMEOUT_S = 4  # the consumer's; the "silent" relay test waits for it
 DELAY_S = 1.0
