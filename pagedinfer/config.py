@@ -115,7 +115,7 @@ class CacheConfig:
     """Tokens per KV-cache block. The default, 128, is vLLM's CPU default too: decode
     attention reads each request's blocks in the block table's order, and from blocks
     scattered over the cache it reads 1.8x faster at 128 than at 16 (docs/benchmarks.md,
-    "Decode attention from DRAM"), 1.15x offline throughput. The price is coarser prefix
+    "128-token blocks"), 1.15x offline throughput. The price is coarser prefix
     caching: hits come in whole blocks, so a shared prefix shorter than one block is not
     reused (16 if that matters more than decode speed)."""
     kv_cache_memory_bytes: int = Field(default=2 * 1024**3, ge=1)

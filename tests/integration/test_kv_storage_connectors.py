@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 # 16-token blocks (the default is 128): the prompts are a few blocks each, and the damage
 # cases pick which block's entry to break.
-ENGINE = dict(dtype="float32", kv_cache_memory_bytes=96 << 20, block_size=16)
 BLOCK_SIZE = 16
+ENGINE = dict(dtype="float32", kv_cache_memory_bytes=96 << 20, block_size=BLOCK_SIZE)
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
