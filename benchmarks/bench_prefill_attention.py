@@ -98,7 +98,10 @@ def main() -> None:
         cache = torch.randn(2, num_blocks, args.block_size, kvh, d).to(dtype)
         if args.kv_cache_dtype == "int8":
             cache = quantize_rows(cache)
-        times = _time_case(paged, sdpa, common, q, k, v, cache, args.rounds)
+        bf16_kernel = (
+            paged.prefill_kernel and dtype == torch.bfloat16 and args.kv_cache_dtype == "auto"
+        )
+        times = _time_case(paged, sdpa, common, q, k, v, cache, args.rounds, bf16_kernel)
         kern, ref = statistics.median(times["kernel"]), statistics.median(times["sdpa"])
         row = {
             "case": name,
@@ -108,10 +111,16 @@ def main() -> None:
             "kernel_range": [round(min(times["kernel"]), 3), round(max(times["kernel"]), 3)],
             "sdpa_range": [round(min(times["sdpa"]), 3), round(max(times["sdpa"]), 3)],
         }
+        if "prefill_kernel" in times:
+            pk = statistics.median(times["prefill_kernel"])
+            row["prefill_kernel_ms"] = round(pk, 3)
+            row["prefill_kernel_vs_kernel"] = round(kern / pk, 2)
         print(json.dumps(row), flush=True)
 
 
-def _time_case(paged, sdpa, common, q, k, v, cache, rounds: int) -> dict[str, list[float]]:
+def _time_case(
+    paged, sdpa, common, q, k, v, cache, rounds: int, with_prefill_kernel: bool
+) -> dict[str, list[float]]:
     """ms per call of each path, `rounds` alternations of >= 0.3 s each."""
     fresh = common.seq_lens_cpu == [
         b - a for a, b in zip(common.query_start_loc_cpu, common.query_start_loc_cpu[1:])
@@ -131,14 +140,27 @@ def _time_case(paged, sdpa, common, q, k, v, cache, rounds: int) -> dict[str, li
         else:
             paged.forward(q, k, v, cache, meta_paged)
 
+    def run_prefill_kernel() -> None:
+        kernel.write_kv(cache, k, v, common.slot_mapping)
+        kernel.paged_prefill_attention(
+            out, q, cache[0], cache[1], reqs.block_table, reqs.q_start, reqs.q_end,
+            reqs.seq_lens, paged.scale,
+        )  # fmt: skip
+
     def run_sdpa() -> None:
         sdpa.forward(q, k, v, cache, meta_sdpa)
 
-    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
-    for fn in (run_kernel, run_sdpa):
+    paths = [("kernel", run_kernel), ("sdpa", run_sdpa)]
+    # The bfloat16 prefill kernel (AVX-512-BF16 or AMX), on the multi-row requests only.
+    if with_prefill_kernel and all(q1 - q0 > 1 for q0, q1 in zip(
+        common.query_start_loc_cpu, common.query_start_loc_cpu[1:]
+    )):  # fmt: skip
+        paths.append(("prefill_kernel", run_prefill_kernel))
+    times: dict[str, list[float]] = {label: [] for label, _ in paths}
+    for _, fn in paths:
         fn()  # warm up
     for _ in range(rounds):
-        for label, fn in (("kernel", run_kernel), ("sdpa", run_sdpa)):
+        for label, fn in paths:
             reps, start = 0, time.perf_counter()
             while time.perf_counter() - start < 0.3 or reps < 3:
                 fn()

@@ -16,15 +16,14 @@ takes the decodes and the chunks over a cached prefix, reading K/V in place thro
 block table (no gathered copy; tiles of query rows share each K/V row read, the context split
 across threads when there are few tiles) on every tier, and from an int8 cache as from a
 float one; fresh prefills stay on SDPA over this step's K/V (nothing to read from the cache).
-On a CPU with AMX, bfloat16 layers without options send every multi-row request through the
-AMX prefill kernel instead (2-6x faster than gather + masked SDPA on the chunk shapes of
-docs/benchmarks.md).
+On a CPU with AVX-512-BF16 or AMX, bfloat16 layers without options send every multi-row
+request through the bfloat16 prefill kernel instead (2-6x faster than gather + masked SDPA
+on the chunk shapes of docs/benchmarks.md; 2.3-4.6x the paged kernel on AVX-512-BF16).
 A layer with a sliding window or a soft cap (`AttentionOptions`) takes the same paths with its
 own masks (built on its first call of the step, then shared by the layers with the same
 options): a window masks, and a chunk's context is gathered only from the window's first key
 on. SDPA has no soft cap, so capped layers compute the scores explicitly (`_attend`). The
-paged kernel takes both options; the AMX prefill kernel takes neither (it is built and
-tested only on CPUs with AMX, none of which this code was developed on), so such layers
+paged kernel takes both options; the bfloat16 prefill kernel takes neither, so such layers
 use the paged kernel and SDPA.
 An int8 KV cache (attention/kv_quant.py) is read dequantised by the SDPA paths' gathers and
 in place by the kernel.
@@ -102,7 +101,7 @@ class _DecodeGroup:
 
 @dataclass
 class _PagedRequests:
-    """Requests for the C++ paged kernels (paged_attention, the AMX prefill kernel): their
+    """Requests for the C++ paged kernels (paged_attention, the bfloat16 prefill kernel): their
     query rows [q_start, q_end) of the flattened batch, context lengths and block tables."""
 
     q_start: torch.Tensor
@@ -124,7 +123,7 @@ class CpuSdpaMetadata:
     paged: _PagedRequests | None = None
     """`CpuPagedBackend`: the requests for the paged kernel (the others are `chunks`)."""
     paged_prefills: _PagedRequests | None = None
-    """With the AMX prefill kernel: every multi-row request, for layers it takes..."""
+    """With the bfloat16 prefill kernel: every multi-row request, for layers it takes..."""
     paged_decodes: _PagedRequests | None = None
     """... and the decodes, for the paged kernel in those layers."""
     decodes_only: bool = False
@@ -341,8 +340,8 @@ KERNEL_MAX_CONTEXT = 1536
 class CpuPagedBackend(CpuSdpaBackend):
     """The C++ paged kernel (K/V read in place, any cache dtype) for decodes and for
     prefills and chunks up to `KERNEL_MAX_CONTEXT` positions; SDPA for longer ones (a fresh
-    prefill on this step's K/V, a chunk on its gathered context); on AMX machines the AMX
-    prefill kernel for bfloat16 prefills.
+    prefill on this step's K/V, a chunk on its gathered context); on AVX-512-BF16 and AMX
+    machines the bfloat16 prefill kernel for bfloat16 prefills.
 
     `quantized_cache`: the cache is int8. Fresh prefills then always take SDPA over their
     own float K/V (nothing they need is in the cache yet), so a request's first token is the
@@ -443,7 +442,7 @@ class CpuPagedBackend(CpuSdpaBackend):
             and kv_cache.dtype == torch.bfloat16
             and options.is_plain
         ):
-            # AMX: every multi-row request through the prefill kernel, decodes through the
+            # bfloat16: every multi-row request through the prefill kernel, decodes through the
             # paged kernel.
             self.kernel.paged_prefill_attention(
                 out, query, kv_cache[0], kv_cache[1], prefills.block_table, prefills.q_start,

@@ -2,8 +2,8 @@
 
 - `paged_decode_attention` (`csrc/paged_attention_cpu.cpp`), with an optional sliding window
   and logit soft cap, reference `attention/torch_ref.py`;
-- `paged_prefill_attention` (`csrc/prefill_attention_cpu.cpp`, bfloat16 on AMX tiles, where
-  `prefill_attention_available()`), prefills and chunks over a cached prefix;
+- `paged_prefill_attention` (`csrc/prefill_attention_cpu.cpp`, bfloat16 on AMX tiles or
+  AVX-512-BF16, where `prefill_attention_available()`), prefills and chunks over a cached prefix;
 - `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul`, `rotary_embedding`
   (`csrc/layer_ops_cpu.cpp`), the model's fused layer ops;
 - `quant_linear` (`csrc/quant_linear_cpu.cpp`), products with the file's Q4/Q8 blocks, and

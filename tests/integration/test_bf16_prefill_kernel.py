@@ -1,10 +1,10 @@
-"""bfloat16 on the real model: prompts prefilled by the AMX paged prefill kernel (in chunks
+"""bfloat16 on the real model: prompts prefilled by the bfloat16 paged prefill kernel (in chunks
 over a cached prefix, and over prefix-cache hits) score their tokens as the SDPA path does.
 
 bfloat16 runs are not bit-comparable across attention implementations (the rounding of
 every layer's output differs), so this compares each prompt token's log-probability:
 the two paths differ by bfloat16 noise (measured: mean 0.035, p95 0.12 nats); an error in
-the kernel's masking or paging moves them by whole nats. Skipped without AMX-BF16.
+the kernel's masking or paging moves them by whole nats. Skipped without AVX-512-BF16.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
         _kernels is None or not _kernels.prefill_attention_available(),
-        reason="no AMX-BF16 here: the paged prefill kernel is not built in",
+        reason="no AVX-512-BF16 here: the paged prefill kernel is not built in",
     ),
 ]
 

@@ -1,5 +1,6 @@
-// Paged prefill attention for CPU on AMX tiles (bfloat16): the query rows of prefills and
-// of prefill chunks over a cached prefix attend, causally, to their request's context read
+// Paged prefill attention for CPU in bfloat16, on AMX tiles or, without them, on AVX-512-BF16
+// (vdpbf16ps: Cooper Lake, Zen 4/5): the query rows of prefills and of prefill chunks over a
+// cached prefix attend, causally, to their request's context read
 // in place from the paged cache through the block table (no gathered copy, no mask tensor).
 //
 // Layout as in paged_attention_cpu.cpp: key_cache / value_cache [num_blocks, block_size,
@@ -19,6 +20,11 @@
 // P rounded to bfloat16, and O += P V on the tiles, O kept in float32 and rescaled only
 // when a row's running maximum moves. Work items are (request, kv head, up to 8 row tiles),
 // the longest first, handed out dynamically (causal items differ in length).
+// Without AMX the two products run on vdpbf16ps over the same staged layouts (one K^T or V
+// row against a broadcast pair of Q dims or of P; see scores_avx512): the same products
+// summed in a different order. Measured on Zen 5 (docs/benchmarks.md "Paged prefill
+// without AMX"): a fresh 512-token SmolLM2 layer 1.53 -> 0.58 ms against the paged
+// kernel (paged_attention_cpu.cpp), ~520 GFLOP/s (the bf16 GEMM ceiling there: ~930).
 // The rounding of P to bfloat16 is the same one torch's fused CPU kernel makes for
 // bfloat16 inputs. Reference: attention/torch_ref.py (tests/unit/attention).
 #include <torch/types.h>  // not torch/extension.h: pybind11 and the autograd API cost ~40 s of compile per file
@@ -33,22 +39,25 @@
 
 #include "vec.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__linux__)
-#define PAGEDINFER_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDINFER_BF16_PREFILL 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PAGEDINFER_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 #endif
 
 namespace {
 
-#if defined(PAGEDINFER_AMX)
+#if defined(PAGEDINFER_BF16_PREFILL)
 
 constexpr int kRows = 16;        // query rows per tile
 constexpr int kKeys = 32;        // keys per step (two 16-column score tiles)
 constexpr int kMaxTiles = 8;     // row tiles per work item
 
+#if defined(PAGEDINFER_AMX)
 // Linux hands out the AMX register state only on request (once per process).
 bool amx_permitted() {
   static const bool ok = [] {
@@ -77,6 +86,7 @@ void configure_tiles() {
   }
   _tile_loadconfig(&cfg);
 }
+#endif  // PAGEDINFER_AMX
 
 struct Args {
   const c10::BFloat16* query;
@@ -241,15 +251,14 @@ void stage_keys(const Args& a, const int32_t* table, int64_t head, int64_t s0, i
   }
 }
 
-// One step (the staged keys [s0, s0 + nk)) for one tile of 16 rows.
+#if defined(PAGEDINFER_AMX)
+// S = Q K^T for one tile on AMX: two 16x16 float32 tiles (keys 0-15 and 16-31) stored to
+// b.s. Tile registers: S in 0-1, Q halves in 2 and 6, K^T in 3, 4, 5, 7 -- distinct
+// registers, so that the products overlap instead of each waiting for the previous one's
+// operand register.
 template <int D>
-void attend_tile(int64_t tile, int64_t s0, int64_t nk, float scale2, Buffers<D>& b) {
+void scores_amx(const c10::BFloat16* q, int64_t nk, Buffers<D>& b) {
   constexpr int kHalves = Buffers<D>::kHalves;
-  constexpr int kSlices = Buffers<D>::kSlices;
-  const c10::BFloat16* q = b.q + tile * kRows * D;
-  // S = Q K^T: two 16x16 float32 tiles (keys 0-15 and 16-31). Tile registers: S in 0-1,
-  // Q halves in 2 and 6, K^T in 3, 4, 5, 7 -- distinct registers, so that the products
-  // overlap instead of each waiting for the previous one's operand register.
   _tile_zero(0);
   _tile_zero(1);
   for (int h = 0; h < kHalves; h += 2) {
@@ -268,6 +277,114 @@ void attend_tile(int64_t tile, int64_t s0, int64_t nk, float scale2, Buffers<D>&
   }
   _tile_stored(0, b.s, kKeys * sizeof(float));
   _tile_stored(1, b.s + 16, kKeys * sizeof(float));
+}
+
+// O += P V for one tile on AMX: one 16x16 float32 tile per 16 dims, four at a time (O in
+// 0, 1, 4, 5; V in 2, 3, 7; P in 6).
+template <int D>
+void weighted_sum_amx(float* o, Buffers<D>& b) {
+  constexpr int kSlices = Buffers<D>::kSlices;
+  _tile_loadd(6, b.p, kKeys * sizeof(c10::BFloat16));
+  constexpr int64_t kOStride = D * sizeof(float);
+  for (int s = 0; s < kSlices; s += 4) {
+    float* os = o + s * 16;
+    const uint32_t* vs = b.vt + s * 256;
+    _tile_loadd(0, os, kOStride);
+    _tile_loadd(1, os + 16, kOStride);
+    _tile_loadd(4, os + 32, kOStride);
+    _tile_loadd(5, os + 48, kOStride);
+    _tile_loadd(2, vs, 64);
+    _tile_loadd(3, vs + 256, 64);
+    _tile_loadd(7, vs + 512, 64);
+    _tile_dpbf16ps(0, 6, 2);
+    _tile_dpbf16ps(1, 6, 3);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(2, vs + 768, 64);
+    _tile_dpbf16ps(5, 6, 2);
+    _tile_stored(0, os, kOStride);
+    _tile_stored(1, os + 16, kOStride);
+    _tile_stored(4, os + 32, kOStride);
+    _tile_stored(5, os + 48, kOStride);
+  }
+}
+#endif  // PAGEDINFER_AMX
+
+// The same two products without tiles, on AVX-512-BF16 (Ice Lake's successors without AMX,
+// Zen 4/5): vdpbf16ps multiplies 16 lanes of bf16 pairs and adds both products to float32
+// lanes, so the staged layouts serve as they are: a K^T row of kt (one dim pair, 16 keys)
+// against a query row's dim pair broadcast, and a vt row (one key pair, 16 dims) against a
+// row's pair of P. Rows go RB at a time with their accumulators in registers.
+template <int D, int RB, bool kTwo>
+inline void scores_rows_avx512(const c10::BFloat16* q, const uint32_t* kt, float* s) {
+  constexpr int kPairs = D / 2;
+  const int32_t* qp = reinterpret_cast<const int32_t*>(q);
+  __m512 acc0[RB], acc1[RB];
+  for (int j = 0; j < RB; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+  for (int dp = 0; dp < kPairs; ++dp) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + dp * 16);
+    __m512bh k1;
+    if constexpr (kTwo) k1 = (__m512bh)_mm512_load_si512(kt + (kPairs + dp) * 16);
+    for (int j = 0; j < RB; ++j) {
+      const __m512bh qj = (__m512bh)_mm512_set1_epi32(qp[j * kPairs + dp]);
+      acc0[j] = _mm512_dpbf16_ps(acc0[j], qj, k0);
+      if constexpr (kTwo) acc1[j] = _mm512_dpbf16_ps(acc1[j], qj, k1);
+    }
+  }
+  for (int j = 0; j < RB; ++j) {
+    _mm512_store_ps(s + j * kKeys, acc0[j]);
+    _mm512_store_ps(s + j * kKeys + 16, kTwo ? acc1[j] : _mm512_setzero_ps());
+  }
+}
+
+template <int D>
+void scores_avx512(const c10::BFloat16* q, int64_t nk, Buffers<D>& b) {
+  constexpr int kRB = 8;  // 8 rows x 2 key groups: 16 accumulators
+  for (int j = 0; j < kRows; j += kRB) {
+    if (nk > 16) {
+      scores_rows_avx512<D, kRB, true>(q + j * D, b.kt, b.s + j * kKeys);
+    } else {
+      scores_rows_avx512<D, kRB, false>(q + j * D, b.kt, b.s + j * kKeys);
+    }
+  }
+}
+
+template <int D, int RB>
+inline void weighted_sum_rows_avx512(const c10::BFloat16* p, const uint32_t* vt, int pairs,
+                                     float* o) {
+  constexpr int kSlices = D / 16;
+  const int32_t* pp = reinterpret_cast<const int32_t*>(p);
+  __m512 acc[RB][kSlices];
+  for (int j = 0; j < RB; ++j)
+    for (int s = 0; s < kSlices; ++s) acc[j][s] = _mm512_load_ps(o + j * D + s * 16);
+  for (int r = 0; r < pairs; ++r) {
+    __m512bh v[kSlices];
+    for (int s = 0; s < kSlices; ++s) v[s] = (__m512bh)_mm512_load_si512(vt + (s * 16 + r) * 16);
+    for (int j = 0; j < RB; ++j) {
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32(pp[j * (kKeys / 2) + r]);
+      for (int s = 0; s < kSlices; ++s) acc[j][s] = _mm512_dpbf16_ps(acc[j][s], pj, v[s]);
+    }
+  }
+  for (int j = 0; j < RB; ++j)
+    for (int s = 0; s < kSlices; ++s) _mm512_store_ps(o + j * D + s * 16, acc[j][s]);
+}
+
+template <int D>
+void weighted_sum_avx512(float* o, int64_t nk, Buffers<D>& b) {
+  constexpr int kRB = D == 64 ? 4 : 2;  // 4 rows x 4 slices (head_dim 64), 2 x 8 (128)
+  const int pairs = static_cast<int>((nk + 1) / 2);
+  for (int j = 0; j < kRows; j += kRB)
+    weighted_sum_rows_avx512<D, kRB>(b.p + j * kKeys, b.vt, pairs, o + j * D);
+}
+
+// One step (the staged keys [s0, s0 + nk)) for one tile of 16 rows.
+template <int D, bool kAmx>
+void attend_tile(int64_t tile, int64_t s0, int64_t nk, float scale2, Buffers<D>& b) {
+  const c10::BFloat16* q = b.q + tile * kRows * D;
+#if defined(PAGEDINFER_AMX)
+  if constexpr (kAmx) scores_amx<D>(q, nk, b);
+  else
+#endif
+    scores_avx512<D>(q, nk, b);
 
   // Online softmax over the 16 rows at once. Scores are kept in base 2 (scale * log2 e is
   // folded into the scaling), so p = 2^(s - m) and no natural exponential is needed.
@@ -332,33 +449,14 @@ void attend_tile(int64_t tile, int64_t s0, int64_t nk, float scale2, Buffers<D>&
     _mm512_store_ps(l, _mm512_add_ps(_mm512_load_ps(l), sums));
   }
 
-  // O += P V: one 16x16 float32 tile per 16 dims, four at a time (O in 0, 1, 4, 5; V in
-  // 2, 3, 7; P in 6).
-  _tile_loadd(6, b.p, kKeys * sizeof(c10::BFloat16));
-  constexpr int64_t kOStride = D * sizeof(float);
-  for (int s = 0; s < kSlices; s += 4) {
-    float* os = o + s * 16;
-    const uint32_t* vs = b.vt + s * 256;
-    _tile_loadd(0, os, kOStride);
-    _tile_loadd(1, os + 16, kOStride);
-    _tile_loadd(4, os + 32, kOStride);
-    _tile_loadd(5, os + 48, kOStride);
-    _tile_loadd(2, vs, 64);
-    _tile_loadd(3, vs + 256, 64);
-    _tile_loadd(7, vs + 512, 64);
-    _tile_dpbf16ps(0, 6, 2);
-    _tile_dpbf16ps(1, 6, 3);
-    _tile_dpbf16ps(4, 6, 7);
-    _tile_loadd(2, vs + 768, 64);
-    _tile_dpbf16ps(5, 6, 2);
-    _tile_stored(0, os, kOStride);
-    _tile_stored(1, os + 16, kOStride);
-    _tile_stored(4, os + 32, kOStride);
-    _tile_stored(5, os + 48, kOStride);
-  }
+#if defined(PAGEDINFER_AMX)
+  if constexpr (kAmx) weighted_sum_amx<D>(o, b);
+  else
+#endif
+    weighted_sum_avx512<D>(o, nk, b);
 }
 
-template <int D>
+template <int D, bool kAmx>
 void run_item(const Args& a, const Item& it, Buffers<D>& b) {
   const int64_t r = it.req;
   const int64_t q0 = a.q_start[r];
@@ -395,7 +493,7 @@ void run_item(const Args& a, const Item& it, Buffers<D>& b) {
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t last = std::min<int64_t>((tile + 1) * kRows, row_end - row0) - 1;
       if (s0 > b.pos[last]) continue;  // the tile's rows have seen all their keys
-      attend_tile<D>(tile, s0, nk, a.scale * 1.44269504088896341f, b);
+      attend_tile<D, kAmx>(tile, s0, nk, a.scale * 1.44269504088896341f, b);
     }
   }
 
@@ -410,7 +508,7 @@ void run_item(const Args& a, const Item& it, Buffers<D>& b) {
   }
 }
 
-template <int D>
+template <int D, bool kAmx>
 void run_all(const Args& a, int64_t num_reqs, int64_t num_kv_heads) {
   // Items of up to kMaxTiles row tiles; fewer per item when there is little work, so that
   // both threads get some.
@@ -441,21 +539,34 @@ void run_all(const Args& a, int64_t num_reqs, int64_t num_kv_heads) {
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, n)))
   {
-    configure_tiles();
+#if defined(PAGEDINFER_AMX)
+    if constexpr (kAmx) configure_tiles();
+#endif
     std::unique_ptr<Buffers<D>> buf(new Buffers<D>);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item<D>(a, items[i], *buf);
-    _tile_release();
+    for (int64_t i = 0; i < n; ++i) run_item<D, kAmx>(a, items[i], *buf);
+#if defined(PAGEDINFER_AMX)
+    if constexpr (kAmx) _tile_release();
+#endif
   }
 }
 
-#endif  // PAGEDINFER_AMX
+// AMX tiles where the kernel may use them, AVX-512-BF16 elsewhere.
+template <int D>
+void run_any(const Args& a, int64_t num_reqs, int64_t num_kv_heads) {
+#if defined(PAGEDINFER_AMX)
+  if (amx_permitted()) return run_all<D, true>(a, num_reqs, num_kv_heads);
+#endif
+  run_all<D, false>(a, num_reqs, num_kv_heads);
+}
+
+#endif  // PAGEDINFER_BF16_PREFILL
 
 }  // namespace
 
 bool prefill_attention_available() {
-#if defined(PAGEDINFER_AMX)
-  return amx_permitted();
+#if defined(PAGEDINFER_BF16_PREFILL)
+  return true;
 #else
   return false;
 #endif
@@ -466,7 +577,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              torch::Tensor q_start, torch::Tensor q_end, torch::Tensor seq_lens,
                              double scale) {
   TORCH_CHECK(prefill_attention_available(),
-              "paged_prefill_attention needs AMX-BF16 (check prefill_attention_available())");
+              "paged_prefill_attention needs AVX-512-BF16 or AMX-BF16 (check "
+              "prefill_attention_available())");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out: [num_tokens, num_heads, head_dim], same shape");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
@@ -506,7 +618,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                 "request ", r, ": seq_len beyond its block table");
   }
   if (num_reqs == 0) return;
-#if defined(PAGEDINFER_AMX)
+#if defined(PAGEDINFER_BF16_PREFILL)
   Args a{};
   a.query = query.data_ptr<c10::BFloat16>();
   a.out = out.data_ptr<c10::BFloat16>();
@@ -525,9 +637,9 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   a.group = num_heads / num_kv_heads;
   a.scale = static_cast<float>(scale);
   if (head_dim == 64) {
-    run_all<64>(a, num_reqs, num_kv_heads);
+    run_any<64>(a, num_reqs, num_kv_heads);
   } else {
-    run_all<128>(a, num_reqs, num_kv_heads);
+    run_any<128>(a, num_reqs, num_kv_heads);
   }
 #endif
 }

@@ -1,8 +1,9 @@
-"""The AMX paged prefill kernel (kernels/csrc/prefill_attention_cpu.cpp) against a float32
-dense reference, and the paged backend's choice between it and SDPA.
+"""The bfloat16 paged prefill kernel (kernels/csrc/prefill_attention_cpu.cpp: AMX tiles, or
+AVX-512-BF16 without them) against a float32 dense reference, and the paged backend's choice
+between it and SDPA.
 
-Skipped where the CPU has no AMX-BF16 (the backend then keeps its SDPA path, which
-test_attention.py covers)."""
+Skipped where the CPU has neither AVX-512-BF16 nor AMX-BF16 (the backend then keeps its
+paged-kernel and SDPA paths, which test_attention.py covers)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pagedinfer.kernels.cpu import load_cpu_kernels
 _kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(
     _kernels is None or not _kernels.prefill_attention_available(),
-    reason="no AMX-BF16 here: the paged prefill kernel is not built in",
+    reason="no AVX-512-BF16 here: the paged prefill kernel is not built in",
 )
 
 
@@ -179,7 +180,7 @@ def _mixed_batch(dtype: torch.dtype):
 def test_backend_uses_the_kernel_for_bf16_and_the_paged_kernel_otherwise(
     dtype: torch.dtype,
 ) -> None:
-    """bfloat16: every multi-row request through the AMX kernel, the decodes through the
+    """bfloat16: every multi-row request through the bfloat16 kernel, the decodes through the
     paged kernel; float32: fresh prefills on SDPA, the rest through the paged kernel."""
     common, q, k, v, cache = _mixed_batch(dtype)
     scale = 64**-0.5
