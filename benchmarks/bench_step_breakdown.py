@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quant-activations", default="auto")
+    parser.add_argument(
+        "--quant-max-tokens", type=int, default=None, help="default: the tier's choice"
+    )
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--prefill", type=int, default=0, help="time prefills of this length")
     parser.add_argument("--repeats", type=int, default=10, help="prefills timed (--prefill)")
@@ -103,7 +106,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from pagedinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, log_stats_interval_s=0, quant_activations=args.quant_activations)
+    llm = LLM(
+        args.model,
+        log_stats_interval_s=0,
+        quant_activations=args.quant_activations,
+        quant_max_tokens=args.quant_max_tokens,
+    )
     if args.prefill:
         unit, n = "prefill", args.repeats
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

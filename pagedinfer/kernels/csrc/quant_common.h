@@ -51,11 +51,26 @@ void widen(const T* x, int64_t n, float* xf) {
 }
 
 // Per group of 32: the float sum; with xq, also int8 codes (scale = max |x| / 127, round
-// to nearest even) and their sum.
+// to nearest even) and their sum. The AVX-512 path sums the group as a fixed tree (the
+// scalar one in order); each row's results depend on that row alone, whatever the batch.
 inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int8_t* xq,
                            float* xscale, int32_t* xqsum) {
   for (int64_t g = 0; g < num_groups; ++g) {
     const float* x = xf + g * kGroup;
+#if defined(__AVX512F__)
+    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    xsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    if (xq == nullptr) continue;
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    // cvtps rounds as the MXCSR says: to nearest even, as std::nearbyint below.
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + 16), _mm512_cvtepi32_epi8(qhi));
+    xscale[g] = amax / 127.f;
+    xqsum[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
     float total = 0.f, amax = 0.f;
     for (int64_t j = 0; j < kGroup; ++j) {
       total += x[j];
@@ -72,11 +87,14 @@ inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int
     }
     xscale[g] = amax / 127.f;
     xqsum[g] = codes;
+#endif
   }
 }
 
 // x [rows, K] (float32/bfloat16/float16, contiguous) prepared into `scratch`; with
-// `int8`, the int8 codes too. The returned view points into `scratch`.
+// `int8`, the int8 codes too. The returned view points into `scratch`. Rows are prepared
+// in parallel once there are enough of them (a 512-row prefill's preparation alone took
+// ~28% of a 576 x 576 product on one thread while the other waited).
 inline Activations prepare_activations(const torch::Tensor& x, bool int8, std::vector<float>& scratch) {
   const int64_t rows = x.size(0), K = x.size(1), G = K / kGroup;
   scratch.resize(static_cast<size_t>(rows * K + rows * G + (int8 ? 2 * rows * G + rows * K / 4 : 0)));
@@ -85,10 +103,15 @@ inline Activations prepare_activations(const torch::Tensor& x, bool int8, std::v
   float* xscale = xsum + rows * G;
   int32_t* xqsum = reinterpret_cast<int32_t*>(xscale + rows * G);
   int8_t* xq = reinterpret_cast<int8_t*>(xqsum + rows * G);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));  // ~32K values
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_prepare", [&] {
-    widen(x.data_ptr<scalar_t>(), rows * K, xf);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      widen(xp + begin * K, (end - begin) * K, xf + begin * K);
+      prepare_groups(xf + begin * K, (end - begin) * G, xsum + begin * G,
+                     int8 ? xq + begin * K : nullptr, xscale + begin * G, xqsum + begin * G);
+    });
   });
-  prepare_groups(xf, rows * G, xsum, int8 ? xq : nullptr, xscale, xqsum);
   Activations a;
   a.K = K, a.G = G, a.xf = xf, a.xsum = xsum;
   if (int8) a.xq = xq, a.xscale = xscale, a.xqsum = xqsum;

@@ -190,3 +190,18 @@ def test_linear_uses_the_quantised_path_for_small_steps_only() -> None:
     assert torch.equal(layer(big), F.linear(big, layer.weight))
     with pytest.raises(ValueError, match="shape"):
         layer.set_quant(QuantizedWeight(_random_blocks("Q4", 16, 64), kernels), max_rows=2)
+
+
+def test_default_cutoffs_per_tier_and_format() -> None:
+    """The measured crossovers (worker._QUANT_MAX_TOKENS): on AVX-512 with int8 activations
+    the Q4/Q8 records go to 256 rows and the Q5_0/K-quant matrices stay at 32; elsewhere
+    the format does not matter."""
+    from pagedinfer.worker.worker import default_quant_max_tokens
+
+    assert default_quant_max_tokens("avx512", True) == 256
+    assert default_quant_max_tokens("avx512", True, kquant=True) == 32
+    assert default_quant_max_tokens("avx512", False) == 32
+    assert default_quant_max_tokens("amx", True) == 32
+    for kquant in (False, True):
+        assert default_quant_max_tokens("avx2", True, kquant=kquant) == 2048
+        assert default_quant_max_tokens("avx2", False, kquant=kquant) == 64
