@@ -92,14 +92,17 @@ inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int
 }
 
 // x [rows, K] (float32/bfloat16/float16, contiguous) prepared into `scratch`; with
-// `int8`, the int8 codes too. The returned view points into `scratch`. Rows are prepared
-// in parallel once there are enough of them (a 512-row prefill's preparation alone took
-// ~28% of a 576 x 576 product on one thread while the other waited).
+// `int8`, the int8 codes instead of the float32 copy (the integer kernels read only the
+// codes, scales and sums: a 512-row step's float copy would be written and never read).
+// The returned view points into `scratch`. Rows are prepared in parallel once there are
+// enough of them (a 512-row prefill's preparation alone took ~28% of a 576 x 576 product
+// on one thread while the other waited).
 inline Activations prepare_activations(const torch::Tensor& x, bool int8, std::vector<float>& scratch) {
   const int64_t rows = x.size(0), K = x.size(1), G = K / kGroup;
-  scratch.resize(static_cast<size_t>(rows * K + rows * G + (int8 ? 2 * rows * G + rows * K / 4 : 0)));
+  const int64_t floats = int8 ? 0 : rows * K;
+  scratch.resize(static_cast<size_t>(floats + rows * G + (int8 ? 2 * rows * G + rows * K / 4 : 0)));
   float* xf = scratch.data();
-  float* xsum = xf + rows * K;
+  float* xsum = xf + floats;
   float* xscale = xsum + rows * G;
   int32_t* xqsum = reinterpret_cast<int32_t*>(xscale + rows * G);
   int8_t* xq = reinterpret_cast<int8_t*>(xqsum + rows * G);
@@ -107,14 +110,22 @@ inline Activations prepare_activations(const torch::Tensor& x, bool int8, std::v
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_prepare", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      widen(xp + begin * K, (end - begin) * K, xf + begin * K);
-      prepare_groups(xf + begin * K, (end - begin) * G, xsum + begin * G,
-                     int8 ? xq + begin * K : nullptr, xscale + begin * G, xqsum + begin * G);
+      if (!int8) {
+        widen(xp + begin * K, (end - begin) * K, xf + begin * K);
+        prepare_groups(xf + begin * K, (end - begin) * G, xsum + begin * G, nullptr, nullptr, nullptr);
+        return;
+      }
+      std::vector<float> row(static_cast<size_t>(K));  // one row widened at a time
+      for (int64_t r = begin; r < end; ++r) {
+        widen(xp + r * K, K, row.data());
+        prepare_groups(row.data(), G, xsum + r * G, xq + r * K, xscale + r * G, xqsum + r * G);
+      }
     });
   });
   Activations a;
-  a.K = K, a.G = G, a.xf = xf, a.xsum = xsum;
+  a.K = K, a.G = G, a.xsum = xsum;
   if (int8) a.xq = xq, a.xscale = xscale, a.xqsum = xqsum;
+  else a.xf = xf;
   return a;
 }
 
