@@ -317,7 +317,7 @@ class QuantizedWeight:
         self._kernels = kernels
         self.kquant = isinstance(blocks, RawBlocks)
         """Q5_0/K-quant blocks (`kquant_linear`), not Q4/Q8 records (`quant_linear`)."""
-        if isinstance(blocks, RawBlocks):
+        if self.kquant:
             self._format = blocks.format.type_id
             self._fn = kernels.kquant_linear
             self.packed = torch.from_numpy(_pack_planes(blocks))

@@ -235,13 +235,11 @@ class Worker:
                 activations == "int8" or (activations == "auto" and self.dtype != torch.float32)
             ) and kernels.quant_linear_uses_int8_activations()
             wanted_rows = self.config.model_config.quant_max_tokens
-            tier = kernel_isa()
-            max_rows = default_quant_max_tokens(tier, int8) if wanted_rows is None else wanted_rows
-            kquant_rows = (
-                default_quant_max_tokens(tier, int8, kquant=True)
-                if wanted_rows is None
-                else wanted_rows
-            )
+            if wanted_rows is None:
+                max_rows = default_quant_max_tokens(kernel_isa(), int8)
+                kquant_rows = default_quant_max_tokens(kernel_isa(), int8, kquant=True)
+            else:
+                max_rows = kquant_rows = wanted_rows
         self.quant_max_tokens = max(max_rows, kquant_rows)
         if kernels is not None and self.quant_max_tokens > 0:
             blocks = load_quant_blocks(path, arch, wanted)
