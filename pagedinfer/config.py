@@ -71,14 +71,13 @@ class ModelConfig:
     pagedinfer's C++ kernels instead of the dense weights: small-batch decode then reads
     4.5-8.5 bits per weight instead of 16 or 32. The weights are exactly the file's; how
     the activations are taken is `quant_activations`. Larger steps use the dense
-    weights, faster once the product is compute-bound. None (the default) is the kernel
-    tier's measured crossover (`worker.default_quant_max_tokens`, docs/benchmarks.md): on
-    AVX-512 with int8 activations (bfloat16 models) 256 for Q4_0/Q4_1/Q8_0 matrices (offline
-    throughput 1.09-1.17x that of 32 on SmolLM2) and 32 for Q5_0/K-quant ones (their kernel
-    is AVX2 code there and lost above); 32 with AMX and for float32 on AVX-512; 64 on AVX2
-    with float32 activations and 2048 with int8 ones (there the int8 products beat dense
-    float32 at every size measured, up to 1,024 rows). A value set here applies to every
-    format. Needs the cpu_paged backend's C++ build; 0 disables."""
+    weights, where those are faster. None (the default) is the kernel tier's measured
+    crossover (`worker.default_quant_max_tokens`, docs/benchmarks.md): 2048 (the default
+    token budget: every step) with int8 activations on AVX-512 (bfloat16 models; steps of
+    16+ rows run a VNNI GEMM that beat dense bf16 at every size measured, 1.3-1.4x) and on
+    AVX2 (there the int8 products beat dense float32 at every size measured, up to 1,024
+    rows); 64 on AVX2 with float32 activations; 32 with AMX and for float32 on AVX-512.
+    Needs the cpu_paged backend's C++ build; 0 disables."""
     quant_activations: Literal["auto", "float32", "int8"] = "auto"
     """How those quantised products take the activations: "float32" widens the codes and
     multiplies exactly (the dense product up to summation order); "int8" rounds the

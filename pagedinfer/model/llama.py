@@ -472,11 +472,9 @@ class LlamaForCausalLM(nn.Module):
         max_rows: int,
         quantize_lm_head: bool,
         activations: str = "auto",
-        kquant_max_rows: int | None = None,
     ) -> int:
         """Give steps of <= max_rows rows the file's own quantised matrices (`model/quant`,
-        installed by `model/weights.install_quantized`); matrices with Q5_0/K-quant parts
-        take them up to `kquant_max_rows` rows (default: `max_rows`).
+        installed by `model/weights.install_quantized`).
 
         A fused projection (qkv, gate_up) gets them when all its parts are stored in one
         format. The LM head uses the file's Q8_0/Q4 copy of its matrix (tied: the
@@ -484,6 +482,4 @@ class LlamaForCausalLM(nn.Module):
         batch 1 the LM head is the largest single read of a step; float32 models keep their
         exact weights). Returns the number of matrices given a quantised path.
         """
-        return install_quantized(
-            self, blocks, kernels, max_rows, quantize_lm_head, activations, kquant_max_rows
-        )
+        return install_quantized(self, blocks, kernels, max_rows, quantize_lm_head, activations)

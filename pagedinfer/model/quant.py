@@ -315,9 +315,7 @@ class QuantizedWeight:
         self.out_features = blocks.rows
         self.in_features = blocks.cols
         self._kernels = kernels
-        self.kquant = isinstance(blocks, RawBlocks)
-        """Q5_0/K-quant blocks (`kquant_linear`), not Q4/Q8 records (`quant_linear`)."""
-        if self.kquant:
+        if isinstance(blocks, RawBlocks):
             self._format = blocks.format.type_id
             self._fn = kernels.kquant_linear
             self.packed = torch.from_numpy(_pack_planes(blocks))
@@ -373,7 +371,6 @@ class QuantizedParts:
             raise ValueError("fused parts must share in_features")
         self.parts = list(parts)
         self.kind = "+".join(p.kind for p in parts)
-        self.kquant = any(p.kquant for p in parts)
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
 

@@ -201,13 +201,10 @@ def install_quantized(
     max_rows: int,
     quantize_lm_head: bool,
     activations: str = "auto",
-    kquant_max_rows: int | None = None,
 ) -> int:
     """Give `model`'s steps of <= max_rows rows the file's own quantised matrices
-    (`model/quant`; matrices with Q5_0/K-quant parts: <= kquant_max_rows, default
-    max_rows); the contract is `LlamaForCausalLM.load_quantized`'s. Returns the number of
-    matrices given a quantised path."""
-    kquant_rows = max_rows if kquant_max_rows is None else kquant_max_rows
+    (`model/quant`); the contract is `LlamaForCausalLM.load_quantized`'s. Returns the
+    number of matrices given a quantised path."""
     count = 0
     ranges = shard_ranges(model.config, model.shard)
     row_ids = {kind: np.arange(*ranges[kind]) for kind in ("q", "kv", "mlp")}
@@ -236,7 +233,7 @@ def install_quantized(
                 if joined is not None
                 else QuantizedParts([QuantizedWeight(b, kernels, activations) for b in pieces])
             )
-            layer.get_submodule(target).set_quant(quant, kquant_rows if quant.kquant else max_rows)
+            layer.get_submodule(target).set_quant(quant, max_rows)
             count += 1
     if not model.pp.is_last_rank:
         return count
@@ -249,6 +246,6 @@ def install_quantized(
         head_blocks = quantize_q8_0(model.lm_head_weight[: hi - lo])
     if head_blocks is not None:
         model.lm_head_quant = QuantizedWeight(head_blocks, kernels, activations)
-        model.lm_head_quant_max_rows = kquant_rows if model.lm_head_quant.kquant else max_rows
+        model.lm_head_quant_max_rows = max_rows
         count += 1
     return count

@@ -91,28 +91,24 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 # The largest step (in rows) for which the quantised kernels beat the dense weights, per kernel
 # tier and activation mode (docs/benchmarks.md, "quant_max_tokens"). On AVX-512 with bfloat16
-# (int8 activations) the Q4/Q8 records' VNNI kernel, once its activations were prepared in
-# parallel, beat dense bf16 to 128+ rows; 200 ShareGPT requests offline (SmolLM2 Q4_1, Zen 5)
-# ran 692-713 out tok/s at 32, 733-762 at 128, 777-827 at 256, 799 at 512, 734-749 at 2048.
-# The Q5_0/K-quant kernels (AVX2 code there) keep 32: Gemma 3 (Q4_K_M) ran 539-549 at 32
-# and 528 at 256. On AVX2 (float32 models) the quantised path won to 64 rows with exact
-# activations (1.14x over 32 there, 0.96x at 128); with int8 ones every format's product
-# beat dense float32 at every size measured (Q4_1 1.32x and Q8_0 1.13x at 1,024 rows, Q4_K
-# 1.57x, Q5_0 1.24x, Q6_K 1.04x at 512), so every step up to the default token budget takes
-# it. Other tiers (no AVX2, NEON, float32 on AVX-512, AMX, whose dense bf16 GEMMs run on
-# tiles) keep 32.
-_QUANT_MAX_TOKENS = {("avx2", False): 64, ("avx2", True): 2048, ("avx512", True): 256}
-_KQUANT_MAX_TOKENS = {("avx512", True): 32}  # where Q5_0/K-quant matrices differ
+# (int8 activations) steps of 16+ rows run a register-blocked VNNI GEMM over tiles of 6 rows
+# (every format): on Zen 5 it beat oneDNN's dense bf16 at every size measured (SmolLM2's four
+# Q4_1 products of a layer 1.37x at 512 rows, 1.35x at 2,048; Q5_0 1.39x, Q4_K 1.31-1.40x,
+# Q5_K 1.26x at 512; Q6_K alone loses, 0.81x), and with 2,048 a 512-token prefill ran 1.30x
+# faster than with 256 (SmolLM2) and 1.17-1.29x than with 32 (Gemma 3, Q4_K_M), whose 200
+# ShareGPT requests offline ran 1.22-1.30x faster (SmolLM2's: level, 749-769 vs 710-824).
+# On AVX2 (float32 models) the quantised path won to 64 rows with exact activations (1.14x
+# over 32 there, 0.96x at 128); with int8 ones every format's product beat dense float32 at
+# every size measured (Q4_1 1.32x and Q8_0 1.13x at 1,024 rows, Q4_K 1.57x, Q5_0 1.24x,
+# Q6_K 1.04x at 512). 2048 is the default token budget: every step up to it. Other tiers (no
+# AVX2, NEON, float32 on AVX-512, AMX, whose dense bf16 GEMMs run on tiles) keep 32.
+_QUANT_MAX_TOKENS = {("avx2", False): 64, ("avx2", True): 2048, ("avx512", True): 2048}
 _QUANT_MAX_TOKENS_OTHER = 32
 
 
-def default_quant_max_tokens(tier: str, int8_activations: bool, kquant: bool = False) -> int:
-    """`ModelConfig.quant_max_tokens` when left unset, for kernel tier `tier` (`kquant`: for
-    matrices in Q5_0 or a K-quant)."""
-    key = (tier, int8_activations)
-    if kquant and key in _KQUANT_MAX_TOKENS:
-        return _KQUANT_MAX_TOKENS[key]
-    return _QUANT_MAX_TOKENS.get(key, _QUANT_MAX_TOKENS_OTHER)
+def default_quant_max_tokens(tier: str, int8_activations: bool) -> int:
+    """`ModelConfig.quant_max_tokens` when left unset, for kernel tier `tier`."""
+    return _QUANT_MAX_TOKENS.get((tier, int8_activations), _QUANT_MAX_TOKENS_OTHER)
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -228,20 +224,18 @@ class Worker:
         model.load_weights(state_dict)
         del state_dict
         kernels = backend.kernel if isinstance(backend, CpuPagedBackend) else None
-        max_rows = kquant_rows = 0
+        max_rows = 0
         if kernels is not None:  # the paged backend's C++ build
             activations = self.config.model_config.quant_activations
             int8 = (
                 activations == "int8" or (activations == "auto" and self.dtype != torch.float32)
             ) and kernels.quant_linear_uses_int8_activations()
             wanted_rows = self.config.model_config.quant_max_tokens
-            if wanted_rows is None:
-                max_rows = default_quant_max_tokens(kernel_isa(), int8)
-                kquant_rows = default_quant_max_tokens(kernel_isa(), int8, kquant=True)
-            else:
-                max_rows = kquant_rows = wanted_rows
-        self.quant_max_tokens = max(max_rows, kquant_rows)
-        if kernels is not None and self.quant_max_tokens > 0:
+            max_rows = (
+                default_quant_max_tokens(kernel_isa(), int8) if wanted_rows is None else wanted_rows
+            )
+        self.quant_max_tokens = max_rows
+        if kernels is not None and max_rows > 0:
             blocks = load_quant_blocks(path, arch, wanted)
             num_quant = model.load_quantized(
                 blocks,
@@ -249,7 +243,6 @@ class Worker:
                 max_rows,
                 quantize_lm_head=self.dtype != torch.float32,
                 activations=activations,
-                kquant_max_rows=kquant_rows,
             )
             dense = model.num_local_layers * len(PROJECTIONS) + int(model.pp.is_last_rank)
             dense -= num_quant
@@ -267,13 +260,10 @@ class Worker:
             if num_quant:
                 logger.info(
                     "Quantised weights (the file's own blocks) for steps of <= %d tokens on "
-                    "%d matrices%s%s.",
+                    "%d matrices%s.",
                     max_rows,
                     num_quant,
                     " (int8 activations)" if int8 else "",
-                    f"; <= {kquant_rows} tokens for the Q5_0/K-quant ones"
-                    if kquant_rows != max_rows
-                    else "",
                 )
         if self.dtype == torch.bfloat16:
             # oneDNN's own weight layout, once, instead of a reorder in every matmul.

@@ -133,11 +133,7 @@ def test_served_in_bf16_to_the_openai_client(server) -> None:
     log = server.log()
     found = re.search(r"for steps of <= (\d+) tokens on 73 matrices( \(int8)?", log)
     assert found is not None
-    int8 = found[2] is not None
-    assert int(found[1]) == default_quant_max_tokens(kernel_isa(), int8)
-    kquant_rows = default_quant_max_tokens(kernel_isa(), int8, kquant=True)
-    if kquant_rows != int(found[1]):  # AVX-512: the Q5_0/K-quant matrices have their own
-        assert f"<= {kquant_rows} tokens for the Q5_0/K-quant ones" in log
+    assert int(found[1]) == default_quant_max_tokens(kernel_isa(), found[2] is not None)
     assert "run dense" not in log
 
 

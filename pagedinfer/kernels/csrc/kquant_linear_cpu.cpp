@@ -339,6 +339,131 @@ void block_int8(const Activations& a, const PairedActivations& p, int64_t r0, co
 }
 #endif
 
+// --- many rows: a register-blocked int8 GEMM (AVX512-VNNI) -------------------------------
+//
+// As quant_linear_cpu.cpp's tile_int8: activations in tiles of kTileRows rows (paired as
+// the codes' bytes are, quant_common.h), each record's codes unpacked once for the tile's
+// rows, vpdpbusd on 16 lanes (a whole block) where block_int8 above runs two 8-lane passes
+// of vpmaddubsw. The float epilogue per sub-block is block_int8's, operation for
+// operation, so both paths give bit-identical results.
+#if defined(PAGEDINFER_INT8_GEMM)
+using pagedinfer::quant::kGemmMinRows;
+using pagedinfer::quant::kTileBlocks;
+using pagedinfer::quant::kTileRows;
+
+// The bits at 8t + `from` of every 32-bit lane moved to 8t + 4.
+inline __m512i align_high16(__m512i h, int from) {
+  return from <= 4 ? _mm512_slli_epi32(h, 4 - from) : _mm512_srli_epi32(h, from - 4);
+}
+
+// Word w of a super-block's record, all 16 lanes: its even and its odd codes as bytes.
+template <class F>
+inline void codes_of_word16(const uint8_t* rec, int64_t w, __m512i& ev, __m512i& od) {
+  using L = Layout<F>;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(rec + w * 64);
+  ev = _mm512_and_si512(v, nibble);
+  od = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  // ev | (aligned high bits & mask): ternary logic 0xF8 (A | (B & C)).
+  if constexpr (F::kBits == 5) {
+    const __m512i h = _mm512_loadu_si512(rec + (L::kLow + w / 4) * 64);
+    const __m512i bit = _mm512_set1_epi8(0x10);
+    const int from = static_cast<int>(2 * (w % 4));
+    ev = _mm512_ternarylogic_epi32(ev, align_high16(h, from), bit, 0xF8);
+    od = _mm512_ternarylogic_epi32(od, align_high16(h, from + 1), bit, 0xF8);
+  } else if constexpr (F::kBits == 6) {
+    const __m512i h = _mm512_loadu_si512(rec + (L::kLow + w / 2) * 64);
+    const __m512i bits = _mm512_set1_epi8(0x30);
+    const int from = static_cast<int>(4 * (w % 2));
+    ev = _mm512_ternarylogic_epi32(ev, align_high16(h, from), bits, 0xF8);
+    od = _mm512_ternarylogic_epi32(od, align_high16(h, from + 2), bits, 0xF8);
+  }
+}
+
+// 16 sub-block scales (bytes) -> float32.
+template <bool Signed>
+inline __m512 scales16(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+// out[r][n0 + 16 nb + i] = row r of the tile (records `xt`) times feature i of block nb of
+// the NB blocks whose record runs start at w (block nb at w + nb * run_bytes).
+template <class F, int NB, typename Out>
+void tile_int8(const uint8_t* xt, int64_t num_super, const uint8_t* w, int64_t run_bytes,
+               Out* out, int64_t out_features, int rows, int64_t n0) {
+  using L = Layout<F>;
+  constexpr int R = kTileRows;
+  constexpr int64_t kRecord = pagedinfer::quant::tile_record_bytes(F::kSub == 16);
+  constexpr int64_t kWords = F::kSub / 8;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int nb = 0; nb < NB; ++nb) acc[r][nb] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* rec[NB];
+    for (int nb = 0; nb < NB; ++nb) rec[nb] = w + nb * run_bytes + sb * L::kBytes;
+    for (int64_t sub = 0; sub < L::kNumSub; ++sub) {
+      const int64_t first = sb * F::kSuper + sub * F::kSub;  // the sub-block's first input
+      const uint8_t* x = xt + first / kGroup * kRecord;      // its group's tile record
+      __m512i s[R][NB];
+      for (int r = 0; r < R; ++r)
+        for (int nb = 0; nb < NB; ++nb) s[r][nb] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < kWords; ++m) {
+        const int64_t wd = sub * kWords + m;  // codes 8 wd .. 8 wd + 7 of the super-block
+        __m512i ev[NB], od[NB];
+        for (int nb = 0; nb < NB; ++nb) codes_of_word16<F>(rec[nb], wd, ev[nb], od[nb]);
+        const int64_t at = (first % kGroup) + 8 * m;  // byte of the row's 32 in the record
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xd = reinterpret_cast<const int32_t*>(x + r * kGroup + at);
+          const __m512i xe = _mm512_set1_epi32(xd[0]), xo = _mm512_set1_epi32(xd[1]);
+          for (int nb = 0; nb < NB; ++nb) {
+            s[r][nb] = _mm512_dpbusd_epi32(s[r][nb], ev[nb], xe);
+            s[r][nb] = _mm512_dpbusd_epi32(s[r][nb], od[nb], xo);
+          }
+        }
+      }
+      const float* xscale = reinterpret_cast<const float*>(x + R * kGroup);
+      const float* xsum = xscale + R;
+      const int32_t* xqsum = reinterpret_cast<const int32_t*>(xsum + R);
+      for (int nb = 0; nb < NB; ++nb) {
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[nb] + L::kD)));
+        if constexpr (F::kSubScales)
+          scale = _mm512_mul_ps(scale, scales16<F::kSignedScales>(rec[nb] + L::kSc + sub * 16));
+        __m512 min = _mm512_setzero_ps();
+        if constexpr (F::kMins)
+          min = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[nb] + L::kDmin))),
+                              scales16<false>(rec[nb] + L::kMn + sub * 16));
+        for (int r = 0; r < R; ++r) {
+          // The zero point: kZero times the sum of the sub-block's int8 activations.
+          const int32_t xs = F::kSub == 16 ? xqsum[R + 2 * r + (first % kGroup) / 16] : xqsum[r];
+          const __m512i exact = _mm512_sub_epi32(s[r][nb], _mm512_set1_epi32(F::kZero * xs));
+          acc[r][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(scale, _mm512_set1_ps(xscale[r])),
+                                       acc[r][nb]);
+          if constexpr (F::kMins) acc[r][nb] = _mm512_fnmadd_ps(min, _mm512_set1_ps(xsum[r]), acc[r][nb]);
+        }
+      }
+    }
+  }
+  pagedinfer::quant::store_tile<NB>(acc, out, out_features, rows, n0);
+}
+
+template <class F>
+torch::Tensor run_gemm_int8(const torch::Tensor& x, const uint8_t* packed, int64_t blocks,
+                            int64_t out_features) {
+  constexpr bool kSums16 = F::kSub == 16;
+  const int64_t num_super = x.size(1) / F::kSuper, run_bytes = num_super * Layout<F>::kBytes;
+  const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<true, kSums16>(x);
+  const int64_t tile_bytes = x.size(1) / kGroup * pagedinfer::quant::tile_record_bytes(kSums16);
+  return pagedinfer::quant::run_tiles(
+      x, tiled.get(), tile_bytes, packed, blocks, run_bytes, out_features,
+      [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0) {
+        if (nb == kTileBlocks) tile_int8<F, kTileBlocks>(xt, num_super, w, run_bytes, o, out_features, valid, n0);
+        else tile_int8<F, 1>(xt, num_super, w, run_bytes, o, out_features, valid, n0);
+      });
+}
+#endif
+
 template <class F>
 void block_rows(int R, const Activations& a, const PairedActivations* paired, int64_t r0,
                 const uint8_t* recs, float (*acc)[kLanes]) {
@@ -377,12 +502,19 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t o
                   packed.size(1) == K / F::kSuper && packed.size(2) == L::kBytes,
               "packed weights must be contiguous uint8 [blocks, in / ", F::kSuper, ", ",
               L::kBytes, "]");
-  std::vector<float> scratch;
   const bool int8 = kInt8Dot && int8_activations;
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+#if defined(PAGEDINFER_INT8_GEMM)
+  if (int8 && x.size(0) >= kGemmMinRows) {
+    TORCH_CHECK(out_features > (packed.size(0) - 1) * kLanes && out_features <= packed.size(0) * kLanes,
+                "out_features does not match the packed blocks");
+    return run_gemm_int8<F>(x, pp, packed.size(0), out_features);
+  }
+#endif
+  std::vector<float> scratch;
   const Activations a = prepare_activations(x, int8, scratch);
   PairedActivations paired;
   if (int8) paired = pair_activations(a, x.size(0), F::kSub == 16);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
   const int64_t block_bytes = (K / F::kSuper) * L::kBytes;
   return run_blocks(x, packed.size(0), out_features, [&](int R, int64_t r0, int64_t b, float (*acc)[kLanes]) {
     block_rows<F>(R, a, int8 ? &paired : nullptr, r0, pp + b * block_bytes, acc);

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -53,21 +55,26 @@ void widen(const T* x, int64_t n, float* xf) {
 // Per group of 32: the float sum; with xq, also int8 codes (scale = max |x| / 127, round
 // to nearest even) and their sum. The AVX-512 path sums the group as a fixed tree (the
 // scalar one in order); each row's results depend on that row alone, whatever the batch.
+// Group g's codes go to xq + g * q_step and its sum, scale and code sum to element
+// g * s_step of theirs (a row-major layout by default; the int8 GEMM's tiles interleave rows).
 inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int8_t* xq,
-                           float* xscale, int32_t* xqsum) {
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const float* x = xf + g * kGroup;
+                           float* xscale, int32_t* xqsum, int64_t q_step = kGroup,
+                           int64_t s_step = 1) {
+  for (int64_t gi = 0; gi < num_groups; ++gi) {
+    const float* x = xf + gi * kGroup;
+    const int64_t g = gi * s_step;
 #if defined(__AVX512F__)
     const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
     xsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     if (xq == nullptr) continue;
+    int8_t* q = xq + gi * q_step;
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     // cvtps rounds as the MXCSR says: to nearest even, as std::nearbyint below.
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + 16), _mm512_cvtepi32_epi8(qhi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
     xscale[g] = amax / 127.f;
     xqsum[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
 #else
@@ -78,12 +85,13 @@ inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int
     }
     xsum[g] = total;
     if (xq == nullptr) continue;
+    int8_t* q = xq + gi * q_step;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t codes = 0;
     for (int64_t j = 0; j < kGroup; ++j) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(x[j] * inv));
-      xq[g * kGroup + j] = static_cast<int8_t>(q);  // |q| <= 127 by construction
-      codes += q;
+      const int32_t code = static_cast<int32_t>(std::nearbyint(x[j] * inv));
+      q[j] = static_cast<int8_t>(code);  // |code| <= 127 by construction
+      codes += code;
     }
     xscale[g] = amax / 127.f;
     xqsum[g] = codes;
@@ -128,6 +136,124 @@ inline Activations prepare_activations(const torch::Tensor& x, bool int8, std::v
   else a.xf = xf;
   return a;
 }
+
+// --- tiles for the int8 GEMMs (AVX512-VNNI, steps of kGemmMinRows rows and more) --------
+//
+// The activations of a many-row step are prepared straight into tiles of kTileRows rows, so
+// that a GEMM microkernel reaches every operand of a tile from one pointer: record (t, g)
+// holds rows 6t..6t+5's int8 codes of input group g ([6][32]), then their float scales
+// [6], float sums [6] and int32 code sums [6], and with `sums16` the code sums of each
+// half group [6][2] (Q6_K's 16-input sub-blocks). With `paired` each 8 inputs' codes come
+// as the 4 even ones then the 4 odd ones (the K-quant records pair them so). Rows past
+// the end are zeros (their results are never stored).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDINFER_INT8_GEMM 1
+#endif
+constexpr int kTileRows = 6;          // rows per tile: 2 x 6 int32 sums + 2 x 6 float totals in zmm
+constexpr int kTileBlocks = 2;        // feature blocks of 16 per work item of the microkernels
+constexpr int64_t kGemmMinRows = 16;  // below, the few-row kernels (docs/benchmarks.md)
+
+constexpr int64_t tile_record_bytes(bool sums16) { return kTileRows * (kGroup + 12 + (sums16 ? 8 : 0)); }
+
+#if defined(PAGEDINFER_INT8_GEMM)
+
+template <bool Paired, bool Sums16>
+std::unique_ptr<uint8_t[]> prepare_tiles(const torch::Tensor& x) {
+  constexpr int64_t kRecord = tile_record_bytes(Sums16);
+  const int64_t rows = x.size(0), K = x.size(1), G = K / kGroup;
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows, tile_bytes = G * kRecord;
+  std::unique_ptr<uint8_t[]> out(new uint8_t[static_cast<size_t>(tiles * tile_bytes)]);
+  if (rows % kTileRows != 0) std::memset(out.get() + (tiles - 1) * tile_bytes, 0, static_cast<size_t>(tile_bytes));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_tiles", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, tiles, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(static_cast<size_t>(K));
+      for (int64_t t = begin; t < end; ++t) {
+        uint8_t* tile = out.get() + t * tile_bytes;
+        float* scale = reinterpret_cast<float*>(tile + kTileRows * kGroup);
+        int32_t* code_sum = reinterpret_cast<int32_t*>(scale + 2 * kTileRows);
+        for (int r = 0; r < kTileRows && t * kTileRows + r < rows; ++r) {
+          widen(xp + (t * kTileRows + r) * K, K, row.data());
+          prepare_groups(row.data(), G, scale + kTileRows + r, reinterpret_cast<int8_t*>(tile + r * kGroup),
+                         scale + r, code_sum + r, kRecord, kRecord / 4);
+          if constexpr (Paired || Sums16) {
+            for (int64_t g = 0; g < G; ++g) {
+              int8_t* q = reinterpret_cast<int8_t*>(tile + g * kRecord + r * kGroup);
+              if constexpr (Sums16) {
+                int32_t* halves = code_sum + kTileRows + g * (kRecord / 4) + 2 * r;
+                halves[0] = halves[1] = 0;
+                for (int j = 0; j < kGroup; ++j) halves[j / 16] += q[j];
+              }
+              if constexpr (Paired) {
+                // Per 8 codes: 0 2 4 6 1 3 5 7 (one byte shuffle per 16).
+                const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+                for (int h = 0; h < 2; ++h) {
+                  __m128i* p = reinterpret_cast<__m128i*>(q + 16 * h);
+                  _mm_storeu_si128(p, _mm_shuffle_epi8(_mm_loadu_si128(p), order));
+                }
+              }
+            }
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// out [rows, out_features] in x's dtype from the tiles (`tile_bytes` apart) and the packed
+// weights (`run_bytes` per block of 16 features). Work items are (up to kTileBlocks feature
+// blocks, 8 tiles), block-major, so a thread's items share their weights and walk the tiles
+// in order; tile_fn(out, nb, tile, weights, valid rows, first feature) stores one tile's
+// product with nb blocks (out: the tile's first row).
+template <typename TileFn>
+torch::Tensor run_tiles(const torch::Tensor& x, const uint8_t* tiled, int64_t tile_bytes,
+                        const uint8_t* packed, int64_t blocks, int64_t run_bytes,
+                        int64_t out_features, const TileFn& tile_fn) {
+  const int64_t rows = x.size(0);
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t groups = (blocks + kTileBlocks - 1) / kTileBlocks;
+  constexpr int64_t kChunk = 8;  // tiles per work item (48 rows)
+  const int64_t chunks = (tiles + kChunk - 1) / kChunk;
+  auto out = torch::empty({rows, out_features}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_tiles_out", [&] {
+    scalar_t* outp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b0 = item / chunks * kTileBlocks, c = item % chunks;
+        const int nb = static_cast<int>(std::min<int64_t>(kTileBlocks, blocks - b0));
+        for (int64_t t = c * kChunk; t < std::min(tiles, (c + 1) * kChunk); ++t) {
+          const int valid = static_cast<int>(std::min<int64_t>(kTileRows, rows - t * kTileRows));
+          tile_fn(outp + t * kTileRows * out_features, nb, tiled + t * tile_bytes,
+                  packed + b0 * run_bytes, valid, b0 * kLanes);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// out[r * out_features + n0 + 16 nb + i] = acc[r][nb] lane i, for the tile's `rows` valid
+// rows and the features below out_features.
+template <int NB, typename Out>
+inline void store_tile(const __m512 (&acc)[kTileRows][NB], Out* out, int64_t out_features, int rows, int64_t n0) {
+  if constexpr (kVec<Out>) {
+    if (rows == kTileRows && n0 + NB * kLanes <= out_features) {
+      for (int r = 0; r < kTileRows; ++r)
+        for (int nb = 0; nb < NB; ++nb) store16(out + r * out_features + n0 + nb * kLanes, acc[r][nb]);
+      return;
+    }
+  }
+  float lanes[kLanes];
+  for (int r = 0; r < rows; ++r) {
+    for (int nb = 0; nb < NB && n0 + nb * kLanes < out_features; ++nb) {
+      _mm512_storeu_ps(lanes, acc[r][nb]);
+      const int64_t width = std::min(kLanes, out_features - n0 - nb * kLanes);
+      for (int64_t i = 0; i < width; ++i) out[r * out_features + n0 + nb * kLanes + i] = static_cast<Out>(lanes[i]);
+    }
+  }
+}
+#endif
 
 // out[0:width] = lanes[0:width], rounded to Out.
 template <typename Out>

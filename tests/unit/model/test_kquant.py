@@ -24,6 +24,7 @@ from pagedinfer.model.quant import (
     RawBlocks,
     concat_blocks,
 )
+from tests.unit.model.test_quant import assert_rows_batch_invariant
 
 kernels = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="C++ kernels not buildable here")
@@ -156,7 +157,7 @@ def int8_path_reference(x: torch.Tensor, blocks: RawBlocks) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 29])
 def test_int8_activations_are_the_integer_path(kind: str, rows: int) -> None:
     """quant_activations="int8": exactly the integer arithmetic above (float32 sums of the
     sub-blocks' terms), within int8 rounding of the dense product; without the integer
@@ -173,6 +174,18 @@ def test_int8_activations_are_the_integer_path(kind: str, rows: int) -> None:
     assert not torch.equal(out, exact)
     dense = x.double() @ torch.from_numpy(blocks.dequantize()).double().T
     assert ((out.double() - dense).abs().max() / dense.abs().max()).item() < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "rows"), [((40, 512), 16), ((96, 768), 61)])
+def test_a_row_gives_the_same_result_in_any_batch(kind: str, dtype, shape, rows: int) -> None:
+    """From 16 rows the int8 path runs as a register-blocked GEMM (tiles of 6 rows, pairs of
+    16-feature blocks; AVX512-VNNI): each output must be bit-identical to that row's product
+    alone (the few-row kernel). 40 features end in an unpaired, padded block; 61 rows in a
+    partial tile, across several work items."""
+    assert_rows_batch_invariant(random_raw(kind, *shape, seed=rows), rows, dtype)
 
 
 @needs_kernels

@@ -19,7 +19,7 @@ from pagedinfer.kernels.cpu import load_cpu_kernels
 from pagedinfer.model.gguf import GGUFFile
 from pagedinfer.model.linear import Linear
 from pagedinfer.model.loader import load_model_weights, load_quant_blocks
-from pagedinfer.model.quant import QuantBlocks, QuantizedWeight, quantize_q8_0
+from pagedinfer.model.quant import QuantBlocks, QuantizedWeight, QuantMatrix, quantize_q8_0
 from tests.unit.model.test_gguf import HI, LO, T_Q4_0, _f16, _nibble_bytes, _write
 
 kernels = load_cpu_kernels()
@@ -125,7 +125,7 @@ def _int8_path_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q4", "Q8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 8, 11])
+@pytest.mark.parametrize("rows", [1, 5, 8, 11, 16, 23, 100])
 def test_16_bit_activations(kind: str, dtype: torch.dtype, rows: int) -> None:
     blocks = _random_blocks(kind, 48, 576, seed=1)
     weight = QuantizedWeight(blocks, kernels)
@@ -141,6 +141,27 @@ def test_16_bit_activations(kind: str, dtype: torch.dtype, rows: int) -> None:
         ref = _int8_path_reference(x, blocks)
         eps = torch.finfo(dtype).eps
         torch.testing.assert_close(out.double(), ref, rtol=eps, atol=1e-5 * ref.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4", "Q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("shape", "rows"), [((40, 64), 16), ((48, 96), 23), ((960, 576), 100)])
+def test_a_row_gives_the_same_result_in_any_batch(kind, dtype, shape, rows: int) -> None:
+    """From 16 rows the int8 path runs as a register-blocked GEMM over tiles of 6 rows and
+    pairs of 16-feature blocks; each output must still be bit-identical to that row's
+    product alone (the few-row kernel): 40 features end in an unpaired, padded block, 23
+    and 100 rows in a partial tile, 100 rows span several work items."""
+    assert_rows_batch_invariant(_random_blocks(kind, *shape, seed=rows), rows, dtype)
+
+
+def assert_rows_batch_invariant(blocks: QuantMatrix, rows: int, dtype: torch.dtype) -> None:
+    """`rows` random int8-path rows through `blocks` at once equal each row alone, bit for bit."""
+    weight = QuantizedWeight(blocks, kernels, "int8")
+    x = torch.randn(rows, blocks.cols, generator=torch.Generator().manual_seed(3)).to(dtype)
+    together = weight(x)
+    alone = torch.cat([weight(x[i : i + 1]) for i in range(rows)])
+    assert together.dtype == dtype and torch.equal(together, alone)
 
 
 @needs_kernels
@@ -192,16 +213,14 @@ def test_linear_uses_the_quantised_path_for_small_steps_only() -> None:
         layer.set_quant(QuantizedWeight(_random_blocks("Q4", 16, 64), kernels), max_rows=2)
 
 
-def test_default_cutoffs_per_tier_and_format() -> None:
-    """The measured crossovers (worker._QUANT_MAX_TOKENS): on AVX-512 with int8 activations
-    the Q4/Q8 records go to 256 rows and the Q5_0/K-quant matrices stay at 32; elsewhere
-    the format does not matter."""
+def test_default_cutoffs_per_tier() -> None:
+    """The measured crossovers (worker._QUANT_MAX_TOKENS): with int8 activations on AVX-512
+    (the VNNI GEMM) and AVX2 every step of the default token budget; 64 on AVX2 with exact
+    float32 activations; 32 elsewhere."""
     from pagedinfer.worker.worker import default_quant_max_tokens
 
-    assert default_quant_max_tokens("avx512", True) == 256
-    assert default_quant_max_tokens("avx512", True, kquant=True) == 32
+    assert default_quant_max_tokens("avx512", True) == 2048
+    assert default_quant_max_tokens("avx2", True) == 2048
+    assert default_quant_max_tokens("avx2", False) == 64
     assert default_quant_max_tokens("avx512", False) == 32
     assert default_quant_max_tokens("amx", True) == 32
-    for kquant in (False, True):
-        assert default_quant_max_tokens("avx2", True, kquant=kquant) == 2048
-        assert default_quant_max_tokens("avx2", False, kquant=kquant) == 64
