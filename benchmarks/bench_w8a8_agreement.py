@@ -9,10 +9,14 @@ inputs, so they must be rounded again to fit; this script measures what that cos
 anyone builds it. Teacher-forced over the same sequences (`prompt_logprobs`, one engine
 step per sequence: every step takes the large-step path), against the float32 engine:
 
-- `bf16`: the default bfloat16 engine (dense bf16 weights for large steps);
-- `w8`: large steps with the weights rounded to int8 per output row, float activations
-  (the weights' share of the error);
-- `w8a8`: large steps through `torch._int_mm`, activations rounded to int8 per row too.
+- `bf16`: the default bfloat16 engine (on AVX-512/AVX2, every step through the file's own
+  blocks with activations rounded to int8 per group of 32: the VNNI GEMM);
+- `bf16-dense`: bfloat16 with `quant_max_tokens=32`, so steps of more rows take the dense
+  bf16 weights (the default on AVX-512 before the int8 GEMM);
+- `w8`: those large steps with the weights rounded to int8 per output row, float
+  activations (the weights' share of the error);
+- `w8a8`: those large steps through `torch._int_mm`, activations rounded to int8 per row
+  too.
 
 For each: how often the most likely next token agrees with float32's, and |delta log p|
 of float32's most likely token. A prototype (Linear.forward patched here), not an engine
@@ -77,6 +81,7 @@ def _score(args, mode: str, out_path: str) -> None:
     llm = LLM(
         None, dtype="float32" if mode == "fp32" else "bfloat16", enable_prefix_caching=False,
         max_num_batched_tokens=2048, max_model_len=2048, log_stats_interval_s=0,
+        quant_max_tokens=None if mode in ("fp32", "bf16") else 32,
     )  # fmt: skip
     if mode in ("w8", "w8a8"):
         _patch_large_steps(llm.llm_engine.engine_core.executor.worker.model, mode)
@@ -103,7 +108,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
-        for mode in ("fp32", "bf16", "w8", "w8a8"):
+        for mode in ("fp32", "bf16", "bf16-dense", "w8", "w8a8"):
             path = os.path.join(tmp, f"{mode}.json")
             argv = [sys.executable, __file__, "--mode", mode, "--out", path, "--num-prompts",
                     str(args.num_prompts), "--max-len", str(args.max_len)]  # fmt: skip
@@ -114,7 +119,7 @@ def main() -> None:
                 results[mode] = json.load(f)
     from benchmarks.bench_kv_cache_dtype import logprob_agreement
 
-    for mode in ("bf16", "w8", "w8a8"):
+    for mode in ("bf16", "bf16-dense", "w8", "w8a8"):
         pairs = (
             (dict(ref_pos), dict(pos))
             for ref_seq, seq in zip(results["fp32"], results[mode], strict=True)

@@ -94,7 +94,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 # (int8 activations) steps of 16+ rows run a register-blocked VNNI GEMM over tiles of 6 rows
 # (every format): on Zen 5 it beat oneDNN's dense bf16 at every size measured (SmolLM2's four
 # Q4_1 products of a layer 1.37x at 512 rows, 1.35x at 2,048; Q5_0 1.39x, Q4_K 1.31-1.40x,
-# Q5_K 1.26x at 512; Q6_K alone loses, 0.81x), and with 2,048 a 512-token prefill ran 1.30x
+# Q5_K 1.26x at 512; Q6_K alone loses, 0.81-0.95x), and with 2,048 a 512-token prefill ran 1.30x
 # faster than with 256 (SmolLM2) and 1.17-1.29x than with 32 (Gemma 3, Q4_K_M), whose 200
 # ShareGPT requests offline ran 1.22-1.30x faster (SmolLM2's: level, 749-769 vs 710-824).
 # On AVX2 (float32 models) the quantised path won to 64 rows with exact activations (1.14x
