@@ -1,6 +1,6 @@
-// Weight-only quantised linear layers for steps with few rows, on the GGUF formats with 5-
-// or 6-bit codes or 256-input super-blocks: Q5_0, Q4_K, Q5_K and Q6_K (with Q8_0, what a
-// Q4_K_M file holds; quant_linear_cpu.cpp has Q4_0/Q4_1/Q8_0).
+// Weight-only quantised linear layers on the GGUF formats with 5- or 6-bit codes or
+// 256-input super-blocks: Q5_0, Q4_K, Q5_K and Q6_K (with Q8_0, what a Q4_K_M file holds;
+// quant_linear_cpu.cpp has Q4_0/Q4_1/Q8_0).
 //
 // Every one of them is, per sub-block s of kSub inputs,
 //     w = a_s * (q - kZero) - m_s,   q an unsigned kBits-bit code,
@@ -11,7 +11,8 @@
 // summation order (greedy parity with the dequantised weights). With int8 activations
 // (AVX2 and up), the activations are rounded per group of 32 as quant_linear_cpu.cpp does
 // and the codes meet them in vpmaddubsw/vpmaddwd integer dot products: exact integer sums
-// per sub-block, scaled in float32.
+// per sub-block, scaled in float32; with AVX512-VNNI, steps of 16+ rows in vpdpbusd through
+// a register-blocked GEMM (tile_int8 below), with the same float arithmetic.
 //
 // Packed layout ("planes", written by model/quant.py): output features padded to 16, one
 // record per (block of 16 features, super-block), in this order:

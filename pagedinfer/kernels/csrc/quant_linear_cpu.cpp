@@ -1,6 +1,7 @@
-// Weight-only quantised linear layers for steps with few rows (decode), on the GGUF file's
-// own blocks: Q4_1 (w = d * q + m, q in 0..15; Q4_0 is the case m = -8 d) and Q8_0
-// (w = d * q, q in -127..127), one scale (and offset) per group of 32 inputs.
+// Weight-only quantised linear layers on the GGUF file's own blocks: Q4_1 (w = d * q + m, q
+// in 0..15; Q4_0 is the case m = -8 d) and Q8_0 (w = d * q, q in -127..127), one scale (and
+// offset) per group of 32 inputs. Built for decode's few rows; with AVX512-VNNI, steps of
+// 16+ rows run the GEMM further down ("many rows").
 //
 // A decode step of a small batch reads every weight once and does ~2 flops with it, so the
 // cost is reading and widening the codes. The weights are repacked at load so that one
