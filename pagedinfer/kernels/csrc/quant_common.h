@@ -137,6 +137,58 @@ inline Activations prepare_activations(const torch::Tensor& x, bool int8, std::v
   return a;
 }
 
+// out[0:width] = lanes[0:width], rounded to Out.
+template <typename Out>
+inline void store_lanes(Out* out, const float* lanes, int64_t width) {
+#if defined(__AVX512F__)
+  if constexpr (kVec<Out>) {
+    if (width == kLanes) {
+      store16(out, _mm512_loadu_ps(lanes));
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < width; ++i) out[i] = static_cast<Out>(lanes[i]);
+}
+
+inline void check_activations(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
+}
+
+inline void check_blocks(int64_t blocks, int64_t out_features) {
+  TORCH_CHECK(out_features > (blocks - 1) * kLanes && out_features <= blocks * kLanes,
+              "out_features does not match the packed blocks");
+}
+
+// out [rows, out_features] in x's dtype, parallel over the packed blocks of 16 features:
+// block_fn(R, r0, b, acc) fills acc[0:R][0:16] with rows r0..r0+R-1 times block b's features.
+template <typename BlockFn>
+torch::Tensor run_blocks(const torch::Tensor& x, int64_t blocks, int64_t out_features,
+                         const BlockFn& block_fn) {
+  check_blocks(blocks, out_features);
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows, out_features}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_store", [&] {
+    scalar_t* outp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      float acc[kMaxRows][kLanes];
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kLanes, width = std::min(kLanes, out_features - n0);
+        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+          block_fn(R, r0, b, acc);
+          for (int r = 0; r < R; ++r)
+            store_lanes(outp + (r0 + r) * out_features + n0, acc[r], width);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 // --- tiles for the int8 GEMMs (AVX512-VNNI, steps of kGemmMinRows rows and more) --------
 //
 // The activations of a many-row step are prepared straight into tiles of kTileRows rows, so
@@ -210,6 +262,7 @@ template <typename TileFn>
 torch::Tensor run_tiles(const torch::Tensor& x, const uint8_t* tiled, int64_t tile_bytes,
                         const uint8_t* packed, int64_t blocks, int64_t run_bytes,
                         int64_t out_features, const TileFn& tile_fn) {
+  check_blocks(blocks, out_features);
   const int64_t rows = x.size(0);
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
   const int64_t groups = (blocks + kTileBlocks - 1) / kTileBlocks;
@@ -248,59 +301,10 @@ inline void store_tile(const __m512 (&acc)[kTileRows][NB], Out* out, int64_t out
   for (int r = 0; r < rows; ++r) {
     for (int nb = 0; nb < NB && n0 + nb * kLanes < out_features; ++nb) {
       _mm512_storeu_ps(lanes, acc[r][nb]);
-      const int64_t width = std::min(kLanes, out_features - n0 - nb * kLanes);
-      for (int64_t i = 0; i < width; ++i) out[r * out_features + n0 + nb * kLanes + i] = static_cast<Out>(lanes[i]);
+      store_lanes(out + r * out_features + n0 + nb * kLanes, lanes, std::min(kLanes, out_features - n0 - nb * kLanes));
     }
   }
 }
 #endif
-
-// out[0:width] = lanes[0:width], rounded to Out.
-template <typename Out>
-inline void store_lanes(Out* out, const float* lanes, int64_t width) {
-#if defined(__AVX512F__)
-  if constexpr (kVec<Out>) {
-    if (width == kLanes) {
-      store16(out, _mm512_loadu_ps(lanes));
-      return;
-    }
-  }
-#endif
-  for (int64_t i = 0; i < width; ++i) out[i] = static_cast<Out>(lanes[i]);
-}
-
-inline void check_activations(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                  x.scalar_type() == at::kHalf,
-              "x must be float32, bfloat16 or float16");
-}
-
-// out [rows, out_features] in x's dtype, parallel over the packed blocks of 16 features:
-// block_fn(R, r0, b, acc) fills acc[0:R][0:16] with rows r0..r0+R-1 times block b's features.
-template <typename BlockFn>
-torch::Tensor run_blocks(const torch::Tensor& x, int64_t blocks, int64_t out_features,
-                         const BlockFn& block_fn) {
-  TORCH_CHECK(out_features > (blocks - 1) * kLanes && out_features <= blocks * kLanes,
-              "out_features does not match the packed blocks");
-  const int64_t rows = x.size(0);
-  auto out = torch::empty({rows, out_features}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_store", [&] {
-    scalar_t* outp = out.data_ptr<scalar_t>();
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      float acc[kMaxRows][kLanes];
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * kLanes, width = std::min(kLanes, out_features - n0);
-        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-          block_fn(R, r0, b, acc);
-          for (int r = 0; r < R; ++r)
-            store_lanes(outp + (r0 + r) * out_features + n0, acc[r], width);
-        }
-      }
-    });
-  });
-  return out;
-}
 
 }  // namespace pagedinfer::quant

@@ -444,8 +444,6 @@ torch::Tensor run_quant_linear(const torch::Tensor& x, const torch::Tensor& pack
               "packed weights must be contiguous uint8 [blocks, in / 32, ", rec_bytes, "]");
   const bool int8 = kInt8Dot && int8_activations;
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kLanes && out_features <= packed.size(0) * kLanes,
-              "out_features does not match the packed blocks");
 #if defined(PAGEDINFER_INT8_GEMM)
   if (int8 && x.size(0) >= kGemmMinRows) {
     if (format == Format::kQ4) return run_gemm_int8<Format::kQ4>(x, pp, packed.size(0), out_features);
