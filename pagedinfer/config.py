@@ -77,6 +77,9 @@ class ModelConfig:
     16+ rows run a VNNI GEMM that beat dense bf16 at every size measured, 1.3-1.4x) and on
     AVX2 (there the int8 products beat dense float32 at every size measured, up to 1,024
     rows); 64 on AVX2 with float32 activations; 32 with AMX and for float32 on AVX-512.
+    When it is at least the scheduler's `max_num_batched_tokens` (every step), the
+    projections keep no dense copy: the 1B-shaped Q4_K_M model's peak memory went from 5.6
+    to 3.8 GB (2 GB of it KV cache) and its load from 17.6 to 13.4 s.
     Needs the cpu_paged backend's C++ build; 0 disables."""
     quant_activations: Literal["auto", "float32", "int8"] = "auto"
     """How those quantised products take the activations: "float32" widens the codes and

@@ -49,7 +49,7 @@ from pagedinfer.distributed.parallel_state import (
 from pagedinfer.model.linear import Linear
 from pagedinfer.model.rotary import Rope, RotaryEmbedding, apply_rotary
 from pagedinfer.model.sharding import TPShard
-from pagedinfer.model.weights import install_quantized, install_weights
+from pagedinfer.model.weights import install_quantized, install_quantized_head, install_weights
 
 if TYPE_CHECKING:
     from pagedinfer.model.arch_config import ModelArchConfig
@@ -470,16 +470,34 @@ class LlamaForCausalLM(nn.Module):
         blocks: dict[str, QuantMatrix],
         kernels: Any,
         max_rows: int,
+        activations: str = "auto",
+        keep_dense: bool = True,
+    ) -> int:
+        """Give the projections' steps of <= max_rows rows the file's own quantised
+        matrices (`model/quant`, installed by `model/weights.install_quantized`); returns
+        how many got one.
+
+        A fused projection (qkv, gate_up) gets them when all its parts are stored in one
+        format, or as parts in their own formats. `keep_dense=False` (every step the engine
+        runs is within max_rows): they take every step and hold no dense weight; call it
+        before `load_weights`, which then neither expects nor keeps those.
+        """
+        return install_quantized(self, blocks, kernels, max_rows, activations, keep_dense)
+
+    def load_quantized_head(
+        self,
+        blocks: dict[str, QuantMatrix],
+        kernels: Any,
+        max_rows: int,
         quantize_lm_head: bool,
         activations: str = "auto",
     ) -> int:
-        """Give steps of <= max_rows rows the file's own quantised matrices (`model/quant`,
-        installed by `model/weights.install_quantized`).
-
-        A fused projection (qkv, gate_up) gets them when all its parts are stored in one
-        format. The LM head uses the file's Q8_0/Q4 copy of its matrix (tied: the
-        embedding's), else, if `quantize_lm_head`, a Q8_0 quantisation of the dense one (at
-        batch 1 the LM head is the largest single read of a step; float32 models keep their
-        exact weights). Returns the number of matrices given a quantised path.
+        """The LM head's quantised path for steps of <= max_rows rows, after `load_weights`:
+        the file's Q8_0/Q4/K-quant copy of its matrix (tied: the embedding's), else, if
+        `quantize_lm_head`, a Q8_0 quantisation of the dense one (at batch 1 the LM head is
+        the largest single read of a step; float32 models keep their exact weights). The
+        dense matrix stays (tied: it is the embedding). Returns 1 if it got one, else 0.
         """
-        return install_quantized(self, blocks, kernels, max_rows, quantize_lm_head, activations)
+        return install_quantized_head(
+            self, blocks, kernels, max_rows, quantize_lm_head, activations
+        )

@@ -16,6 +16,9 @@ Invariants:
   model may be built on the meta device.
 - A matrix may arrive whole or already cut to this rank's rows (`sharding.load_plan`);
   both give the same parameters.
+- A projection given only its quantised weight (`install_quantized(keep_dense=False)`,
+  before `install_weights`) has no dense parameter: `install_weights` neither expects nor
+  keeps one for it, and the loader need not read it (`quant_only_weight_names`).
 
 Callers: `LlamaForCausalLM.load_weights` / `load_quantized` (the worker calls those) and
 the loader (`gguf_to_hf_name`, `fused_parts`).
@@ -44,7 +47,15 @@ if TYPE_CHECKING:
     from pagedinfer.model.arch_config import ModelArchConfig
     from pagedinfer.model.llama import LlamaForCausalLM
 
-__all__ = ["fused_parts", "gguf_to_hf_name", "install_quantized", "install_weights"]
+__all__ = [
+    "fused_parts",
+    "gguf_to_hf_name",
+    "install_quantized",
+    "install_quantized_head",
+    "install_weights",
+    "quant_only_weight_names",
+    "quantized_projections",
+]
 
 # llama.cpp tensor name -> HF name; `{i}` is the layer index.
 _GGUF_GLOBAL_NAMES = {
@@ -178,6 +189,12 @@ def install_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]
                 ("weight", "bias") if layer.get_submodule(target).bias is not None else ("weight",)
             )
             for kind in kinds:
+                if getattr(layer.get_submodule(target), kind) is None:
+                    # Quantised only (`Linear.set_quant(keep_dense=False)`): not loaded, or
+                    # dropped here if it was (an HF directory is read whole).
+                    for part in parts:
+                        sd.pop(f"{p}{part.name}.{kind}", None)
+                    continue
                 pieces = [
                     keep_part(sd.pop(f"{p}{part.name}.{kind}"), part, ranges) for part in parts
                 ]
@@ -194,22 +211,21 @@ def install_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]
         raise ValueError(f"Missing weights: {sorted(missing)[:5]}")
 
 
-def install_quantized(
+def quantized_projections(
     model: LlamaForCausalLM,
     blocks: dict[str, QuantMatrix],
     kernels: Any,
-    max_rows: int,
-    quantize_lm_head: bool,
     activations: str = "auto",
-) -> int:
-    """Give `model`'s steps of <= max_rows rows the file's own quantised matrices
-    (`model/quant`); the contract is `LlamaForCausalLM.load_quantized`'s. Returns the
-    number of matrices given a quantised path."""
-    count = 0
+) -> dict[str, QuantizedWeight | QuantizedParts]:
+    """This rank's projections that `blocks` (the file's quantised matrices) cover, cut as
+    its dense weights are: {module path ("layers.3.mlp.gate_up_proj"): kernel-ready
+    weight}. Reads only the model's shapes and sharding, so it works on a model still on
+    the meta device (before its dense weights exist)."""
+    out: dict[str, QuantizedWeight | QuantizedParts] = {}
     ranges = shard_ranges(model.config, model.shard)
     row_ids = {kind: np.arange(*ranges[kind]) for kind in ("q", "kv", "mlp")}
     sharded = model.tp.world_size > 1
-    for local, layer in enumerate(model.layers):
+    for local in range(model.num_local_layers):
         i = model.layer_start + local
         for target, parts in PROJECTIONS.items():
             names = [f"model.layers.{i}.{part.name}.weight" for part in parts]
@@ -228,24 +244,68 @@ def install_quantized(
                 continue
             joined = concat_blocks(pieces)
             # Parts in different formats (Gemma 3's Q5_0 q/k and Q8_0 v): one kernel each.
-            quant: QuantizedWeight | QuantizedParts = (
+            out[f"layers.{local}.{target}"] = (
                 QuantizedWeight(joined, kernels, activations)
                 if joined is not None
                 else QuantizedParts([QuantizedWeight(b, kernels, activations) for b in pieces])
             )
-            layer.get_submodule(target).set_quant(quant, max_rows)
-            count += 1
+    return out
+
+
+def quant_only_weight_names(model: LlamaForCausalLM) -> set[str]:
+    """HF names of the file's matrices that no dense parameter of `model` needs: the parts
+    of every projection given its quantised weight with `keep_dense=False`
+    (`Linear.set_quant`). The loader skips them (`load_model_weights(wanted=...)`)."""
+    names: set[str] = set()
+    for local, layer in enumerate(model.layers):
+        i = model.layer_start + local
+        for target, parts in PROJECTIONS.items():
+            if layer.get_submodule(target).weight is None:
+                names.update(f"model.layers.{i}.{part.name}.weight" for part in parts)
+    return names
+
+
+def install_quantized(
+    model: LlamaForCausalLM,
+    blocks: dict[str, QuantMatrix],
+    kernels: Any,
+    max_rows: int,
+    activations: str = "auto",
+    keep_dense: bool = True,
+) -> int:
+    """Give `model`'s projections for steps of <= max_rows rows the file's own quantised
+    matrices (`quantized_projections`); the contract is `LlamaForCausalLM.load_quantized`'s.
+    `keep_dense=False`: every step runs them and the dense weights are dropped (call this
+    before `install_weights`, which then expects no dense weight for them). Returns the
+    number of matrices given a quantised path."""
+    quants = quantized_projections(model, blocks, kernels, activations)
+    for path, quant in quants.items():
+        model.get_submodule(path).set_quant(quant, max_rows, keep_dense=keep_dense)
+    return len(quants)
+
+
+def install_quantized_head(
+    model: LlamaForCausalLM,
+    blocks: dict[str, QuantMatrix],
+    kernels: Any,
+    max_rows: int,
+    quantize_lm_head: bool,
+    activations: str = "auto",
+) -> int:
+    """Give the LM head for steps of <= max_rows rows the file's quantised copy of its
+    matrix (tied: the embedding's), else, if `quantize_lm_head`, a Q8_0 quantisation of
+    the dense one (so after `install_weights`). Returns 1 if it got one, else 0."""
     if not model.pp.is_last_rank:
-        return count
+        return 0
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     head_blocks = blocks.get(head_name)
-    lo, hi = ranges["vocab"]
-    if head_blocks is not None and sharded:
+    lo, hi = shard_ranges(model.config, model.shard)["vocab"]
+    if head_blocks is not None and model.tp.world_size > 1:
         head_blocks = head_blocks.take_rows(np.arange(lo, hi))
     if head_blocks is None and quantize_lm_head and model.config.hidden_size % GROUP_SIZE == 0:
         head_blocks = quantize_q8_0(model.lm_head_weight[: hi - lo])
-    if head_blocks is not None:
-        model.lm_head_quant = QuantizedWeight(head_blocks, kernels, activations)
-        model.lm_head_quant_max_rows = max_rows
-        count += 1
-    return count
+    if head_blocks is None:
+        return 0
+    model.lm_head_quant = QuantizedWeight(head_blocks, kernels, activations)
+    model.lm_head_quant_max_rows = max_rows
+    return 1

@@ -30,6 +30,7 @@ from pagedinfer.distributed.kv_transfer.factory import create_connector
 from pagedinfer.distributed.parallel_state import get_pp_group, get_tp_group, init_distributed
 from pagedinfer.kernels.cpu import kernel_isa
 from pagedinfer.model.arch_config import ModelArchConfig
+from pagedinfer.model.linear import Linear
 from pagedinfer.model.llama import LlamaForCausalLM
 from pagedinfer.model.loader import (
     gguf_matrix_type_counts,
@@ -38,8 +39,10 @@ from pagedinfer.model.loader import (
     load_quant_blocks,
     path_is_gguf,
 )
+from pagedinfer.model.quant import QuantMatrix
 from pagedinfer.model.registry import get_model_class
-from pagedinfer.model.sharding import PROJECTIONS, TPShard, load_plan
+from pagedinfer.model.sharding import PROJECTIONS, TPShard, WeightFilter, load_plan
+from pagedinfer.model.weights import quant_only_weight_names
 from pagedinfer.platform import HeapTrimmer, ThreadGovernor, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
@@ -117,6 +120,11 @@ def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torc
     elem = torch.empty((), dtype=dtype).element_size()
     row = cache_row_dim(arch.head_dim, dtype)
     return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * row * elem
+
+
+def _without(wanted: WeightFilter | None, names: set[str]) -> WeightFilter:
+    """`wanted` (None: every weight) less `names`."""
+    return lambda name: name not in names and (wanted is None or wanted(name))
 
 
 class Worker:
@@ -199,17 +207,14 @@ class Worker:
         """Load a model's weights into a model built on the meta device; its RoPE tables
         come in `initialize_cache` (`_build_rotary`)."""
         tp, pp = get_tp_group(), get_pp_group()
-        wanted = rows = None
+        arch = load_model_config(path)
+        wanted: WeightFilter | None = None
+        rows = None
         if tp.world_size * pp.world_size > 1:
             # Read only this rank's layers and rows of the file, not the whole model.
             wanted, rows = load_plan(
-                load_model_config(path),
-                tp.rank_in_group,
-                tp.world_size,
-                pp.rank_in_group,
-                pp.world_size,
+                arch, tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
             )
-        arch, state_dict = load_model_weights(path, self.dtype, wanted=wanted, rows=rows)
         shard = TPShard.of(arch, tp.rank_in_group, tp.world_size)
         backend = self._make_backend(
             dataclasses.replace(
@@ -221,12 +226,11 @@ class Worker:
         model_class = get_model_class(arch.architecture)
         with torch.device("meta"):
             model = model_class(arch, backend)
-        model.load_weights(state_dict)
-        del state_dict
         kernels = backend.kernel if isinstance(backend, CpuPagedBackend) else None
         max_rows = 0
+        activations = self.config.model_config.quant_activations
+        int8 = False
         if kernels is not None:  # the paged backend's C++ build
-            activations = self.config.model_config.quant_activations
             int8 = (
                 activations == "int8" or (activations == "auto" and self.dtype != torch.float32)
             ) and kernels.quant_linear_uses_int8_activations()
@@ -235,9 +239,23 @@ class Worker:
                 default_quant_max_tokens(kernel_isa(), int8) if wanted_rows is None else wanted_rows
             )
         self.quant_max_tokens = max_rows
+        blocks: dict[str, QuantMatrix] = {}
+        num_quant = 0
+        skip: set[str] = set()
         if kernels is not None and max_rows > 0:
             blocks = load_quant_blocks(path, arch, wanted)
-            num_quant = model.load_quantized(
+            # When the quantised kernels take every step the scheduler can form, the dense
+            # copies would never be read: they are neither loaded nor kept.
+            keep_dense = max_rows < self.config.scheduler_config.max_num_batched_tokens
+            num_quant = model.load_quantized(blocks, kernels, max_rows, activations, keep_dense)
+            skip = quant_only_weight_names(model)
+            if skip:
+                wanted = _without(wanted, skip)
+        _, state_dict = load_model_weights(path, self.dtype, wanted=wanted, rows=rows)
+        model.load_weights(state_dict)
+        del state_dict
+        if kernels is not None and max_rows > 0:
+            num_quant += model.load_quantized_head(
                 blocks,
                 kernels,
                 max_rows,
@@ -260,10 +278,11 @@ class Worker:
             if num_quant:
                 logger.info(
                     "Quantised weights (the file's own blocks) for steps of <= %d tokens on "
-                    "%d matrices%s.",
+                    "%d matrices%s%s.",
                     max_rows,
                     num_quant,
                     " (int8 activations)" if int8 else "",
+                    "; no dense copy of the projections: every step runs them" if skip else "",
                 )
         if self.dtype == torch.bfloat16:
             # oneDNN's own weight layout, once, instead of a reorder in every matmul.
@@ -381,7 +400,8 @@ class Worker:
 
     def rank_info(self) -> dict[str, Any]:
         """This rank's place and share of the model (tests and logs): its pid, tensor and
-        pipeline ranks, decoder layers, heads and parameter bytes."""
+        pipeline ranks, decoder layers, heads, parameter bytes (dense) and the bytes of the
+        quantised matrices beside them."""
         assert self.model is not None
         model = self.model
         return {
@@ -398,6 +418,12 @@ class Worker:
                 p.numel() * p.dtype.itemsize if p.is_mkldnn else p.untyped_storage().nbytes()
                 for p in model.parameters()
             ),
+            "quant_bytes": sum(
+                m.quant.nbytes
+                for m in model.modules()
+                if isinstance(m, Linear) and m.quant is not None
+            )
+            + (model.lm_head_quant.nbytes if model.lm_head_quant is not None else 0),
         }
 
     def _after_step(self) -> None:

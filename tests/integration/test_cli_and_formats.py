@@ -62,3 +62,39 @@ def test_hf_directory_gives_the_same_greedy_tokens(tmp_path, default_gguf_path) 
     assert hf.prompt_token_ids == gguf.prompt_token_ids
     assert hf.outputs[0].token_ids == gguf.outputs[0].token_ids
     assert hf.outputs[0].text == gguf.outputs[0].text
+
+
+def test_projections_without_a_dense_copy_when_every_step_is_quantised() -> None:
+    """With `quant_max_tokens` >= `max_num_batched_tokens` the quantised kernels take every
+    step, so the projections are loaded without their dense bf16 matrices: the parameters
+    shrink by exactly those bytes, the quantised ones stay, and the greedy tokens equal those
+    of the same cut-off with the dense copies kept (a larger token budget; every step of
+    these prompts is within the cut-off either way)."""
+    kwargs = dict(
+        dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=512, quant_max_tokens=512
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = ["The capital of France is", "Here is a short poem about the sea:"]
+    runs = {}
+    for budget in (512, 1024):
+        with LLM(max_num_batched_tokens=budget, **kwargs) as llm:
+            worker = llm.llm_engine.engine_core.executor.worker
+            mlp = worker.model.layers[0].mlp
+            dense = {
+                name: int(module.weight.numel()) * 2 if module.weight is not None else 0
+                for name, module in worker.model.named_modules()
+                if name.endswith("_proj") and module.quant is not None
+            }
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[budget] = (
+                [o.outputs[0].token_ids for o in outs],
+                worker.rank_info(),
+                sum(dense.values()),
+                mlp.down_proj.weight is None,
+            )
+    lean, full = runs[512], runs[1024]
+    assert lean[3] and not full[3]  # dropped only when every step is within the cut-off
+    assert lean[2] == 0 and full[2] > 0
+    assert full[1]["param_bytes"] - lean[1]["param_bytes"] == full[2]
+    assert lean[1]["quant_bytes"] == full[1]["quant_bytes"] > 0
+    assert lean[0] == full[0]
