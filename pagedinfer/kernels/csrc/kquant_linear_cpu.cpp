@@ -348,7 +348,7 @@ void block_int8(const Activations& a, const PairedActivations& p, int64_t r0, co
 // of vpmaddubsw. The float epilogue per sub-block is block_int8's, operation for
 // operation, so both paths give bit-identical results.
 #if defined(PAGEDINFER_INT8_GEMM)
-using pagedinfer::quant::kGemmMinRows;
+using pagedinfer::quant::kGemmMinRowsK;
 using pagedinfer::quant::kTileBlocks;
 using pagedinfer::quant::kTileRows;
 
@@ -406,9 +406,16 @@ void tile_int8(const uint8_t* xt, int64_t num_super, const uint8_t* w, int64_t r
     for (int64_t sub = 0; sub < L::kNumSub; ++sub) {
       const int64_t first = sb * F::kSuper + sub * F::kSub;  // the sub-block's first input
       const uint8_t* x = xt + first / kGroup * kRecord;      // its group's tile record
+      const float* xscale = reinterpret_cast<const float*>(x + R * kGroup);
+      const float* xsum = xscale + R;
+      // -kZero times the sum of the sub-block's int8 activations (prepare_tiles): where the
+      // sums start, so they end as the exact products of (q - kZero) and the activations.
+      const int32_t* zero = reinterpret_cast<const int32_t*>(xsum + R);
       __m512i s[R][NB];
-      for (int r = 0; r < R; ++r)
-        for (int nb = 0; nb < NB; ++nb) s[r][nb] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
+        const int32_t z = F::kSub == 16 ? zero[R + 2 * r + (first % kGroup) / 16] : zero[r];
+        for (int nb = 0; nb < NB; ++nb) s[r][nb] = F::kZero ? _mm512_set1_epi32(z) : _mm512_setzero_si512();
+      }
 #pragma GCC unroll 4
       for (int64_t m = 0; m < kWords; ++m) {
         const int64_t wd = sub * kWords + m;  // codes 8 wd .. 8 wd + 7 of the super-block
@@ -424,9 +431,6 @@ void tile_int8(const uint8_t* xt, int64_t num_super, const uint8_t* w, int64_t r
           }
         }
       }
-      const float* xscale = reinterpret_cast<const float*>(x + R * kGroup);
-      const float* xsum = xscale + R;
-      const int32_t* xqsum = reinterpret_cast<const int32_t*>(xsum + R);
       for (int nb = 0; nb < NB; ++nb) {
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[nb] + L::kD)));
         if constexpr (F::kSubScales)
@@ -436,10 +440,7 @@ void tile_int8(const uint8_t* xt, int64_t num_super, const uint8_t* w, int64_t r
           min = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[nb] + L::kDmin))),
                               scales16<false>(rec[nb] + L::kMn + sub * 16));
         for (int r = 0; r < R; ++r) {
-          // The zero point: kZero times the sum of the sub-block's int8 activations.
-          const int32_t xs = F::kSub == 16 ? xqsum[R + 2 * r + (first % kGroup) / 16] : xqsum[r];
-          const __m512i exact = _mm512_sub_epi32(s[r][nb], _mm512_set1_epi32(F::kZero * xs));
-          acc[r][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(scale, _mm512_set1_ps(xscale[r])),
+          acc[r][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][nb]), _mm512_mul_ps(scale, _mm512_set1_ps(xscale[r])),
                                        acc[r][nb]);
           if constexpr (F::kMins) acc[r][nb] = _mm512_fnmadd_ps(min, _mm512_set1_ps(xsum[r]), acc[r][nb]);
         }
@@ -454,7 +455,7 @@ torch::Tensor run_gemm_int8(const torch::Tensor& x, const uint8_t* packed, int64
                             int64_t out_features) {
   constexpr bool kSums16 = F::kSub == 16;
   const int64_t num_super = x.size(1) / F::kSuper, run_bytes = num_super * Layout<F>::kBytes;
-  const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<true, kSums16>(x);
+  const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<true, kSums16, F::kZero>(x);
   const int64_t tile_bytes = x.size(1) / kGroup * pagedinfer::quant::tile_record_bytes(kSums16);
   return pagedinfer::quant::run_tiles(
       x, tiled.get(), tile_bytes, packed, blocks, run_bytes, out_features,
@@ -506,7 +507,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t o
   const bool int8 = kInt8Dot && int8_activations;
   const uint8_t* pp = packed.data_ptr<uint8_t>();
 #if defined(PAGEDINFER_INT8_GEMM)
-  if (int8 && x.size(0) >= kGemmMinRows) {
+  if (int8 && x.size(0) >= kGemmMinRowsK) {
     return run_gemm_int8<F>(x, pp, packed.size(0), out_features);
   }
 #endif

@@ -194,22 +194,28 @@ torch::Tensor run_blocks(const torch::Tensor& x, int64_t blocks, int64_t out_fea
 // The activations of a many-row step are prepared straight into tiles of kTileRows rows, so
 // that a GEMM microkernel reaches every operand of a tile from one pointer: record (t, g)
 // holds rows 6t..6t+5's int8 codes of input group g ([6][32]), then their float scales
-// [6], float sums [6] and int32 code sums [6], and with `sums16` the code sums of each
-// half group [6][2] (Q6_K's 16-input sub-blocks). With `paired` each 8 inputs' codes come
-// as the 4 even ones then the 4 odd ones (the K-quant records pair them so). Rows past
-// the end are zeros (their results are never stored).
+// [6], float sums [6] and int32 code sums times -Zero [6], and with `sums16` those of each
+// half group [6][2] (Q6_K's 16-input sub-blocks). A format whose codes q stand for
+// q - Zero starts its integer dot products at -Zero * (the codes' sum) and needs no
+// subtraction per sub-block (one vector op of ~12-16 per 32 inputs and row). With `paired`
+// each 8 inputs' codes come as the 4 even ones then the 4 odd ones (the K-quant records
+// pair them so). Rows past the end are zeros (their results are never stored).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGEDINFER_INT8_GEMM 1
 #endif
 constexpr int kTileRows = 6;          // rows per tile: 2 x 6 int32 sums + 2 x 6 float totals in zmm
 constexpr int kTileBlocks = 2;        // feature blocks of 16 per work item of the microkernels
 constexpr int64_t kGemmMinRows = 16;  // below, the few-row kernels (docs/benchmarks.md)
+// Q5_0 and the K-quants, whose few-row kernels on AVX-512 are the AVX2 code: the GEMM beat
+// them 2-3x in cache from 5 rows and from DRAM from 8 (level at 8, 1.3-1.6x at 10-15 rows;
+// below 8 its 6-row tiles' idle rows cost more than DRAM latency saves).
+constexpr int64_t kGemmMinRowsK = 8;
 
 constexpr int64_t tile_record_bytes(bool sums16) { return kTileRows * (kGroup + 12 + (sums16 ? 8 : 0)); }
 
 #if defined(PAGEDINFER_INT8_GEMM)
 
-template <bool Paired, bool Sums16>
+template <bool Paired, bool Sums16, int Zero>
 std::unique_ptr<uint8_t[]> prepare_tiles(const torch::Tensor& x) {
   constexpr int64_t kRecord = tile_record_bytes(Sums16);
   const int64_t rows = x.size(0), K = x.size(1), G = K / kGroup;
@@ -228,13 +234,16 @@ std::unique_ptr<uint8_t[]> prepare_tiles(const torch::Tensor& x) {
           widen(xp + (t * kTileRows + r) * K, K, row.data());
           prepare_groups(row.data(), G, scale + kTileRows + r, reinterpret_cast<int8_t*>(tile + r * kGroup),
                          scale + r, code_sum + r, kRecord, kRecord / 4);
-          if constexpr (Paired || Sums16) {
+          if constexpr (Paired || Sums16 || Zero != 0) {
             for (int64_t g = 0; g < G; ++g) {
               int8_t* q = reinterpret_cast<int8_t*>(tile + g * kRecord + r * kGroup);
+              code_sum[g * (kRecord / 4) + r] *= -Zero;
               if constexpr (Sums16) {
                 int32_t* halves = code_sum + kTileRows + g * (kRecord / 4) + 2 * r;
                 halves[0] = halves[1] = 0;
                 for (int j = 0; j < kGroup; ++j) halves[j / 16] += q[j];
+                halves[0] *= -Zero;
+                halves[1] *= -Zero;
               }
               if constexpr (Paired) {
                 // Per 8 codes: 0 2 4 6 1 3 5 7 (one byte shuffle per 16).

@@ -352,9 +352,10 @@ void tile_int8(int64_t G, const uint8_t* xt, const uint8_t* w, int64_t run_bytes
     const int32_t* xqsum = reinterpret_cast<const int32_t*>(xsum + R);
     const uint8_t* rec[NB];
     for (int nb = 0; nb < NB; ++nb) rec[nb] = w + nb * run_bytes + g * Rec::kBytes;
-    __m512i s[R][NB];
+    __m512i s[R][NB];  // Q8: codes c + 128 meet x, so sum(c x) = sum((c + 128) x) - 128 sum(x)
     for (int r = 0; r < R; ++r)
-      for (int nb = 0; nb < NB; ++nb) s[r][nb] = _mm512_setzero_si512();
+      for (int nb = 0; nb < NB; ++nb)
+        s[r][nb] = F == Format::kQ8 ? _mm512_set1_epi32(xqsum[r]) : _mm512_setzero_si512();
     if constexpr (F == Format::kQ4) {
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NB], hi[NB];
@@ -384,10 +385,8 @@ void tile_int8(int64_t G, const uint8_t* xt, const uint8_t* w, int64_t run_bytes
     for (int nb = 0; nb < NB; ++nb) {
       const __m512 d = load_half16(Rec::scale(rec[nb]));
       for (int r = 0; r < R; ++r) {
-        __m512i dot = s[r][nb];
-        if constexpr (F == Format::kQ8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * xqsum[r]));
         const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xscale[r]));
-        acc[r][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, acc[r][nb]);
+        acc[r][nb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][nb]), ds, acc[r][nb]);
       }
       if constexpr (F == Format::kQ4) {
         const __m512 m = load_half16(Rec::offset(rec[nb]));
@@ -403,7 +402,7 @@ template <Format F>
 torch::Tensor run_gemm_int8(const torch::Tensor& x, const uint8_t* packed, int64_t blocks,
                             int64_t out_features) {
   const int64_t G = x.size(1) / kGroup, run_bytes = G * Record<F>::kBytes;
-  const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<false, false>(x);
+  const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<false, false, F == Format::kQ8 ? 128 : 0>(x);
   return pagedinfer::quant::run_tiles(
       x, tiled.get(), G * kTileRecordBytes, packed, blocks, run_bytes, out_features,
       [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0) {
