@@ -15,7 +15,9 @@
 // acc = sum p * v. Blocks are walked in order (no division per token) and each K/V row is
 // widened to float32 in registers once for every head of the group: 16 lanes with AVX-512
 // (intrinsics), 8 lanes elsewhere (gcc vector types: AVX2 ymm, NEON pairs), plain loops
-// for other head sizes. The blocks lie anywhere in the cache, so while one is read the
+// for other head sizes. A bfloat16 cache with AVX512-BF16 is not widened for the scores:
+// the (bf16) query meets each K row in vdpbf16ps and the scale goes on the scores; V is
+// widened 32 values at a time as its even and odd halves (scores_bf16, weighted_sum_bf16). The blocks lie anywhere in the cache, so while one is read the
 // next one's rows are prefetched (the hardware prefetcher cannot guess them).
 //
 // Two per-layer options (Mistral, Phi-3, Gemma 2/3):
@@ -276,6 +278,117 @@ void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// A bfloat16 cache (so a bfloat16 query: the cache is in the query's dtype) with AVX512-BF16:
+// each K row meets the query in vdpbf16ps, 32 dimensions per instruction with no widening
+// (the products of two bf16 values are exact in float32; only the summation order differs
+// from the float32 path). The query is the unscaled bf16 one, so exact in bf16; the scores
+// are scaled after the sums.
+constexpr bool kDotBf16 = true;
+
+template <int NV>
+void scores_bf16(const __m512bh* qb, int64_t group, const c10::BFloat16* key_cache, const Span& span,
+                 float scale, float* partial, float* scores) {
+  constexpr int NP = NV / 2;  // zmm of 32 bf16 per row
+  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t b = span.first / block_size, first_off = span.first % block_size;
+  for (int64_t t = 0; t < count; ++b, first_off = 0) {
+    span.prefetch_next(key_cache, b);
+    const c10::BFloat16* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
+    for (int64_t off = first_off; off < block_size && t < count; off += 16) {
+      const int64_t n = std::min<int64_t>({16, block_size - off, count - t});
+      for (int64_t i = 0; i < n; ++i) {
+        const c10::BFloat16* k = kb + (off + i) * row_stride;
+        __m512bh kv[NP];
+        for (int j = 0; j < NP; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k + 32 * j);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g * NP], kv[0]);
+          for (int j = 1; j < NP; ++j) s = _mm512_dpbf16_ps(s, qb[g * NP + j], kv[j]);
+          _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t g = 0; g < group; ++g)
+        _mm512_mask_storeu_ps(scores + g * count + t, mask, _mm512_mul_ps(sum_rows16(partial + g * 256), sc));
+      t += n;
+    }
+  }
+}
+
+// The weighted sum over a bfloat16 V: 32 values per load, widened as the 16 even and the 16
+// odd ones (a shift and a mask, where widening 16 at a time takes a shuffle and a shift
+// per 16), so the accumulators hold each 32 dimensions as [even 16][odd 16]
+// (`interleave_bf16_acc` puts them back in order).
+template <int NV, int G>
+void weighted_sum_bf16_fixed(const float* scores, int64_t stride, const c10::BFloat16* value_cache,
+                             const Span& span, float* acc_out) {
+  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_loadu_ps(acc_out + g * 16 * NV + 16 * j);
+  int64_t b = span.first / block_size, off = span.first % block_size;
+  for (int64_t t = 0; t < count; ++b, off = 0) {
+    span.prefetch_next(value_cache, b);
+    const int64_t n = std::min(block_size - off, count - t);
+    const c10::BFloat16* vb = value_cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * row_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      const c10::BFloat16* v = vb + i * row_stride;
+      __m512 vv[NV];
+      for (int j = 0; j < NV / 2; ++j) {
+        const __m512i x = _mm512_loadu_si512(v + 32 * j);
+        vv[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        vv[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * stride + t + i]);
+        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+      }
+    }
+    t += n;
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc_out + g * 16 * NV + 16 * j, acc[g][j]);
+}
+
+template <int NV>
+void weighted_sum_bf16(const float* scores, int64_t stride, int64_t group,
+                       const c10::BFloat16* value_cache, const Span& span, float* acc) {
+  constexpr int64_t D = 16 * NV;
+  if constexpr (NV >= 16) {
+    for (int64_t g = 0; g < group; ++g)
+      weighted_sum_bf16_fixed<NV, 1>(scores + g * stride, stride, value_cache, span, acc + g * D);
+  } else {
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const int64_t gn = std::min<int64_t>(4, group - g0);
+      const float* s = scores + g0 * stride;
+      float* a = acc + g0 * D;
+      switch (gn) {
+        case 1: weighted_sum_bf16_fixed<NV, 1>(s, stride, value_cache, span, a); break;
+        case 2: weighted_sum_bf16_fixed<NV, 2>(s, stride, value_cache, span, a); break;
+        case 3: weighted_sum_bf16_fixed<NV, 3>(s, stride, value_cache, span, a); break;
+        default: weighted_sum_bf16_fixed<NV, 4>(s, stride, value_cache, span, a); break;
+      }
+    }
+  }
+}
+
+// [even 16][odd 16] per 32 dimensions -> the dimensions in order, for `rows` rows of D.
+inline void interleave_bf16_acc(float* acc, int64_t rows, int64_t D) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t at = 0; at < rows * D; at += 32) {
+    const __m512 even = _mm512_loadu_ps(acc + at), odd = _mm512_loadu_ps(acc + at + 16);
+    _mm512_storeu_ps(acc + at, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(acc + at + 16, _mm512_permutex2var_ps(even, hi, odd));
+  }
+}
+#else
+constexpr bool kDotBf16 = false;
+#endif
+
+
 #if !defined(__AVX512F__)
 // 8 float lanes in gcc vector types (AVX2: one ymm; NEON: two q registers).
 using V8 = pagedinfer::F8v;
@@ -470,10 +583,35 @@ struct RowLimits {
 // counts the query heads of one kv head times the tile's rows (row-major: row r's heads are
 // r * heads_per_row ...). NV = head_dim / lanes takes the vector loops (16 lanes with
 // AVX-512, else 8), NV = 0 the generic ones.
+// Whether a cache of cache_t with this head_dim takes the vdpbf16ps paths (scores_bf16):
+// then the query comes unscaled and `attend` scales the scores.
+template <typename cache_t>
+inline bool dot_bf16(int64_t head_dim) {
+  return kDotBf16 && std::is_same_v<cache_t, c10::BFloat16> &&
+         (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
 template <int NV, typename scalar_t>
 void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
             const scalar_t* value_cache, const Span& span, float soft_cap, const RowLimits& limits,
-            float* partial, float* scores, float* acc, float* m, float* l) {
+            float score_scale, float* partial, float* scores, float* acc, float* m, float* l) {
+  constexpr bool kDot = kDotBf16 && NV > 0 && std::is_same_v<scalar_t, c10::BFloat16>;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (kDot) {
+    constexpr int NP = NV / 2;
+    // The query rows in bf16 (exact: they were bf16); on the stack up to 32 heads of 256.
+    __m512bh stack[32 * 8];
+    std::vector<__m512bh> heap;
+    __m512bh* qb = stack;
+    if (group * NP > 32 * 8) heap.resize(group * NP), qb = heap.data();
+    for (int64_t g = 0; g < group; ++g)
+      for (int j = 0; j < NP; ++j) {
+        const float* qg = q + g * head_dim + 32 * j;
+        qb[g * NP + j] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
+      }
+    scores_bf16<NV>(qb, group, key_cache, span, score_scale, partial, scores);
+  } else
+#endif
 #if defined(__AVX512F__)
   if constexpr (NV > 0)
     scores_avx512<NV>(q, group, key_cache, span, partial, scores);
@@ -511,6 +649,11 @@ void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key
     Span chunk = span;
     chunk.first += c0;
     chunk.count = std::min(kVChunk, count - c0);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (kDot)
+      weighted_sum_bf16<NV>(scores + c0, count, group, value_cache, chunk, acc);
+    else
+#endif
 #if defined(__AVX512F__)
     if constexpr (NV > 0)
       weighted_sum_avx512<NV>(scores + c0, count, group, value_cache, chunk, acc);
@@ -522,32 +665,35 @@ void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key
 #endif
       weighted_sum_generic(scores + c0, count, group, head_dim, value_cache, chunk, acc);
   }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (kDot) interleave_bf16_acc(acc, group, head_dim);
+#endif
 }
 
 template <typename cache_t>
 void attend_any(const float* q, int64_t group, int64_t head_dim, const cache_t* kc,
                 const cache_t* vc, const Span& span, float soft_cap, const RowLimits& limits,
-                float* partial, float* scores, float* acc, float* m, float* l) {
+                float score_scale, float* partial, float* scores, float* acc, float* m, float* l) {
 #if defined(__AVX512F__)
   if constexpr (kVec<cache_t> || kQ8<cache_t>) {
     switch (head_dim) {
-      case 64: return attend<4>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
-      case 128: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
-      case 256: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
+      case 64: return attend<4>(q, group, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial, scores, acc, m, l);
+      case 128: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial, scores, acc, m, l);
+      case 256: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial, scores, acc, m, l);
       default: break;
     }
   }
 #else
   if constexpr (pagedinfer::kVecType<cache_t> || kQ8<cache_t>) {
     switch (head_dim) {
-      case 64: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
-      case 128: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
-      case 256: return attend<32>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
+      case 64: return attend<8>(q, group, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial, scores, acc, m, l);
+      case 128: return attend<16>(q, group, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial, scores, acc, m, l);
+      case 256: return attend<32>(q, group, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial, scores, acc, m, l);
       default: break;
     }
   }
 #endif
-  attend<0>(q, group, head_dim, kc, vc, span, soft_cap, limits, partial, scores, acc, m, l);
+  attend<0>(q, group, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial, scores, acc, m, l);
 }
 
 // Query rows of one request attended together: every K/V row read is used by each of the
@@ -575,6 +721,9 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
                       float scale, int64_t sliding_window, float soft_cap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_dim = head_dim + (kQ8<cache_t> ? kQ8ScaleBytes : 0);  // cache_t per row
+  // The scale goes on the query, or with vdpbf16ps on the scores (the query stays bf16).
+  const bool dot = dot_bf16<cache_t>(head_dim);
+  const float q_scale = dot ? 1.f : scale, score_scale = dot ? scale : 1.f;
   const int64_t row_stride = num_kv_heads * row_dim;     // next position, same kv head
   const int64_t block_stride = block_size * row_stride;  // next block
   // The tiles, with the positions each sees: [first, first + count).
@@ -659,11 +808,11 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
       const cache_t* vc = value_cache + kvh * row_dim;
       for (int64_t h = 0; h < n; ++h) {
         const scalar_t* src = query + head_offset(tile, kvh, h);
-        for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<float>(src[d]) * scale;
+        for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<float>(src[d]) * q_scale;
       }
       if (static_cast<int64_t>(scores.size()) < n * span.count) scores.resize(n * span.count);
-      attend_any(q.data(), n, head_dim, kc, vc, span, soft_cap, limits, partial.data(), scores.data(),
-                 acc.data(), m.data(), l.data());
+      attend_any(q.data(), n, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial.data(),
+                 scores.data(), acc.data(), m.data(), l.data());
       const int64_t t = part_tile[part];
       if (part_start[t + 1] - part_start[t] == 1) {
         for (int64_t h = 0; h < n; ++h) write_out(tile, kvh, h, acc.data() + h * head_dim, 1.f / l[h]);

@@ -229,6 +229,7 @@ def test_paged_kernel_bf16() -> None:
         (8, 2, 128, 16),  # Llama-style head_dim 128 (the other vectorised path)
         (4, 1, 64, 32),  # blocks longer than the 16-position chunks
         (10, 2, 64, 8),  # group of 5 heads: two sweeps of the weighted sum
+        (4, 1, 256, 16),  # Gemma 3's head_dim 256: a sweep of V per head
         (2, 2, 48, 16),  # head_dim without a vector path: the plain loops
     ],
 )
