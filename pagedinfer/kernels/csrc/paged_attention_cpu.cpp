@@ -17,8 +17,9 @@
 // (intrinsics), 8 lanes elsewhere (gcc vector types: AVX2 ymm, NEON pairs), plain loops
 // for other head sizes. A bfloat16 cache with AVX512-BF16 is not widened for the scores:
 // the (bf16) query meets each K row in vdpbf16ps and the scale goes on the scores; V is
-// widened 32 values at a time as its even and odd halves (scores_bf16, weighted_sum_bf16). The blocks lie anywhere in the cache, so while one is read the
-// next one's rows are prefetched (the hardware prefetcher cannot guess them).
+// widened 32 values at a time as its even and odd halves (scores_bf16, and the Halves
+// weighted sum). The blocks lie anywhere in the cache, so while one is read the next one's
+// rows are prefetched (the hardware prefetcher cannot guess them).
 //
 // Two per-layer options (Mistral, Phi-3, Gemma 2/3):
 // - sliding_window w > 0: the query at p = seq_len - 1 sees only positions j with
@@ -222,10 +223,16 @@ void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache, con
   }
 }
 
-template <int NV, int G, typename scalar_t>
+// Halves (a bfloat16 V with AVX512-BF16's score path): 32 values per load, widened as the 16
+// even and the 16 odd ones (a shift and a mask, where widening 16 at a time takes a shuffle
+// and a shift per 16), so the accumulators hold each 32 dimensions as [even 16][odd 16]
+// (`interleave_bf16_acc` puts them back in order).
+template <int NV, int G, bool Halves, typename scalar_t>
 void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar_t* value_cache,
                                const Span& span, float* acc_out) {
+  static_assert(!Halves || std::is_same_v<scalar_t, c10::BFloat16>, "halves: bf16 only");
   const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   // Accumulators for the whole group live in registers (G * NV <= 24).
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
@@ -238,7 +245,15 @@ void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar
     for (int64_t i = 0; i < n; ++i) {
       const scalar_t* v = vb + i * row_stride;
       __m512 vv[NV];
-      for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+      if constexpr (Halves) {
+        for (int j = 0; j < NV / 2; ++j) {
+          const __m512i x = _mm512_loadu_si512(v + 32 * j);
+          vv[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+          vv[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        }
+      } else {
+        for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+      }
       const float vs = row_scale(v, 16 * NV);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g * stride + t + i] * vs);
@@ -251,7 +266,7 @@ void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc_out + g * 16 * NV + 16 * j, acc[g][j]);
 }
 
-template <int NV, typename scalar_t>
+template <int NV, bool Halves, typename scalar_t>
 void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
                          const scalar_t* value_cache, const Span& span, float* acc) {
   constexpr int64_t D = 16 * NV;
@@ -259,7 +274,7 @@ void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
     // head_dim 256: one head's 16 accumulators and its V row already fill the register
     // file, so each head takes its own sweep over V.
     for (int64_t g = 0; g < group; ++g)
-      weighted_sum_avx512_fixed<NV, 1>(scores + g * stride, stride, value_cache, span, acc + g * D);
+      weighted_sum_avx512_fixed<NV, 1, Halves>(scores + g * stride, stride, value_cache, span, acc + g * D);
   } else {
     // Up to 4 heads per sweep keep their accumulators in registers; larger groups take
     // several sweeps (each re-reads the chunk's V rows from L1).
@@ -268,10 +283,10 @@ void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
       const float* s = scores + g0 * stride;
       float* a = acc + g0 * D;
       switch (gn) {
-        case 1: weighted_sum_avx512_fixed<NV, 1>(s, stride, value_cache, span, a); break;
-        case 2: weighted_sum_avx512_fixed<NV, 2>(s, stride, value_cache, span, a); break;
-        case 3: weighted_sum_avx512_fixed<NV, 3>(s, stride, value_cache, span, a); break;
-        default: weighted_sum_avx512_fixed<NV, 4>(s, stride, value_cache, span, a); break;
+        case 1: weighted_sum_avx512_fixed<NV, 1, Halves>(s, stride, value_cache, span, a); break;
+        case 2: weighted_sum_avx512_fixed<NV, 2, Halves>(s, stride, value_cache, span, a); break;
+        case 3: weighted_sum_avx512_fixed<NV, 3, Halves>(s, stride, value_cache, span, a); break;
+        default: weighted_sum_avx512_fixed<NV, 4, Halves>(s, stride, value_cache, span, a); break;
       }
     }
   }
@@ -312,64 +327,6 @@ void scores_bf16(const __m512bh* qb, int64_t group, const c10::BFloat16* key_cac
       for (int64_t g = 0; g < group; ++g)
         _mm512_mask_storeu_ps(scores + g * count + t, mask, _mm512_mul_ps(sum_rows16(partial + g * 256), sc));
       t += n;
-    }
-  }
-}
-
-// The weighted sum over a bfloat16 V: 32 values per load, widened as the 16 even and the 16
-// odd ones (a shift and a mask, where widening 16 at a time takes a shuffle and a shift
-// per 16), so the accumulators hold each 32 dimensions as [even 16][odd 16]
-// (`interleave_bf16_acc` puts them back in order).
-template <int NV, int G>
-void weighted_sum_bf16_fixed(const float* scores, int64_t stride, const c10::BFloat16* value_cache,
-                             const Span& span, float* acc_out) {
-  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m512 acc[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_loadu_ps(acc_out + g * 16 * NV + 16 * j);
-  int64_t b = span.first / block_size, off = span.first % block_size;
-  for (int64_t t = 0; t < count; ++b, off = 0) {
-    span.prefetch_next(value_cache, b);
-    const int64_t n = std::min(block_size - off, count - t);
-    const c10::BFloat16* vb = value_cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * row_stride;
-    for (int64_t i = 0; i < n; ++i) {
-      const c10::BFloat16* v = vb + i * row_stride;
-      __m512 vv[NV];
-      for (int j = 0; j < NV / 2; ++j) {
-        const __m512i x = _mm512_loadu_si512(v + 32 * j);
-        vv[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        vv[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * stride + t + i]);
-        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
-      }
-    }
-    t += n;
-  }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc_out + g * 16 * NV + 16 * j, acc[g][j]);
-}
-
-template <int NV>
-void weighted_sum_bf16(const float* scores, int64_t stride, int64_t group,
-                       const c10::BFloat16* value_cache, const Span& span, float* acc) {
-  constexpr int64_t D = 16 * NV;
-  if constexpr (NV >= 16) {
-    for (int64_t g = 0; g < group; ++g)
-      weighted_sum_bf16_fixed<NV, 1>(scores + g * stride, stride, value_cache, span, acc + g * D);
-  } else {
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const int64_t gn = std::min<int64_t>(4, group - g0);
-      const float* s = scores + g0 * stride;
-      float* a = acc + g0 * D;
-      switch (gn) {
-        case 1: weighted_sum_bf16_fixed<NV, 1>(s, stride, value_cache, span, a); break;
-        case 2: weighted_sum_bf16_fixed<NV, 2>(s, stride, value_cache, span, a); break;
-        case 3: weighted_sum_bf16_fixed<NV, 3>(s, stride, value_cache, span, a); break;
-        default: weighted_sum_bf16_fixed<NV, 4>(s, stride, value_cache, span, a); break;
-      }
     }
   }
 }
@@ -649,14 +606,9 @@ void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key
     Span chunk = span;
     chunk.first += c0;
     chunk.count = std::min(kVChunk, count - c0);
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if constexpr (kDot)
-      weighted_sum_bf16<NV>(scores + c0, count, group, value_cache, chunk, acc);
-    else
-#endif
 #if defined(__AVX512F__)
     if constexpr (NV > 0)
-      weighted_sum_avx512<NV>(scores + c0, count, group, value_cache, chunk, acc);
+      weighted_sum_avx512<NV, kDot>(scores + c0, count, group, value_cache, chunk, acc);
     else
 #else
     if constexpr (NV > 0)
