@@ -90,8 +90,8 @@ class ModelConfig:
     float32 where dense bf16 has 97.9%; docs/benchmarks.md); "auto" is int8 for
     bfloat16/float16 models and float32 for float32 ones (which keep greedy parity with
     transformers). Every format has the int8 path (with AVX512-VNNI, steps of 16+ rows as a
-    GEMM; Q5_0 and the K-quants' smaller steps through AVX2 code); where the CPU has no
-    integer dot product, float32."""
+    GEMM, 8+ for Q5_0 and the K-quants, whose smaller steps run AVX2 code); where the CPU
+    has no integer dot product, float32."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
     adapt_threads: bool = False

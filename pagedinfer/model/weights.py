@@ -53,6 +53,7 @@ __all__ = [
     "install_quantized",
     "install_quantized_head",
     "install_weights",
+    "lm_head_name",
     "quant_only_weight_names",
     "quantized_projections",
 ]
@@ -284,6 +285,11 @@ def install_quantized(
     return len(quants)
 
 
+def lm_head_name(model: LlamaForCausalLM) -> str:
+    """The HF name of the matrix the LM head multiplies by (tied: the embedding's)."""
+    return "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+
+
 def install_quantized_head(
     model: LlamaForCausalLM,
     blocks: dict[str, QuantMatrix],
@@ -297,8 +303,7 @@ def install_quantized_head(
     the dense one (so after `install_weights`). Returns 1 if it got one, else 0."""
     if not model.pp.is_last_rank:
         return 0
-    head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    head_blocks = blocks.get(head_name)
+    head_blocks = blocks.get(lm_head_name(model))
     lo, hi = shard_ranges(model.config, model.shard)["vocab"]
     if head_blocks is not None and model.tp.world_size > 1:
         head_blocks = head_blocks.take_rows(np.arange(lo, hi))

@@ -42,7 +42,7 @@ from pagedinfer.model.loader import (
 from pagedinfer.model.quant import QuantMatrix
 from pagedinfer.model.registry import get_model_class
 from pagedinfer.model.sharding import PROJECTIONS, TPShard, WeightFilter, load_plan
-from pagedinfer.model.weights import quant_only_weight_names
+from pagedinfer.model.weights import lm_head_name, quant_only_weight_names
 from pagedinfer.platform import HeapTrimmer, ThreadGovernor, release_free_heap
 from pagedinfer.spec_decode.draft_model import DraftModel
 from pagedinfer.worker.model_runner import ModelRunner
@@ -94,10 +94,11 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 # The largest step (in rows) for which the quantised kernels beat the dense weights, per kernel
 # tier and activation mode (docs/benchmarks.md, "quant_max_tokens"). On AVX-512 with bfloat16
-# (int8 activations) steps of 16+ rows run a register-blocked VNNI GEMM over tiles of 6 rows
-# (every format): on Zen 5 it beat oneDNN's dense bf16 at every size measured (SmolLM2's four
-# Q4_1 products of a layer 1.37x at 512 rows, 1.35x at 2,048; Q5_0 1.39x, Q4_K 1.31-1.40x,
-# Q5_K 1.26x at 512; Q6_K alone loses, 0.81-0.95x), and with 2,048 a 512-token prefill ran 1.30x
+# (int8 activations) steps of 16+ rows (8+ for Q5_0/K-quants) run a register-blocked VNNI GEMM
+# over tiles of 6 rows (every format): on Zen 5 it beat oneDNN's dense bf16 at every size
+# measured (SmolLM2's four Q4_1 products of a layer 1.37x at 512 rows, 1.35x at 2,048; Q5_0
+# 1.39x, Q4_K 1.31-1.40x, Q5_K 1.26x at 512; Q6_K 1.05-1.15x since its zero point seeds the
+# sums, 0.81-0.95x before), and with 2,048 a 512-token prefill ran 1.30x
 # faster than with 256 (SmolLM2) and 1.17-1.29x than with 32 (Gemma 3, Q4_K_M), whose 200
 # ShareGPT requests offline ran 1.22-1.30x faster (SmolLM2's: level, 749-769 vs 710-824).
 # On AVX2 (float32 models) the quantised path won to 64 rows with exact activations (1.14x
@@ -248,6 +249,10 @@ class Worker:
             # copies would never be read: they are neither loaded nor kept.
             keep_dense = max_rows < self.config.scheduler_config.max_num_batched_tokens
             num_quant = model.load_quantized(blocks, kernels, max_rows, activations, keep_dense)
+            # The projections' blocks are packed now; only the head's are still to be used
+            # (Q4/Q8 blocks are copies out of the file: don't hold them while loading).
+            head = lm_head_name(model)
+            blocks = {head: blocks[head]} if head in blocks else {}
             skip = quant_only_weight_names(model)
             if skip:
                 wanted = _without(wanted, skip)

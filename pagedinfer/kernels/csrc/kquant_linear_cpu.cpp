@@ -11,7 +11,7 @@
 // summation order (greedy parity with the dequantised weights). With int8 activations
 // (AVX2 and up), the activations are rounded per group of 32 as quant_linear_cpu.cpp does
 // and the codes meet them in vpmaddubsw/vpmaddwd integer dot products: exact integer sums
-// per sub-block, scaled in float32; with AVX512-VNNI, steps of 16+ rows in vpdpbusd through
+// per sub-block, scaled in float32; with AVX512-VNNI, steps of 8+ rows in vpdpbusd through
 // a register-blocked GEMM (tile_int8 below), with the same float arithmetic.
 //
 // Packed layout ("planes", written by model/quant.py): output features padded to 16, one

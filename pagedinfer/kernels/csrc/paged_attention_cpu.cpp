@@ -345,7 +345,6 @@ inline void interleave_bf16_acc(float* acc, int64_t rows, int64_t D) {
 constexpr bool kDotBf16 = false;
 #endif
 
-
 #if !defined(__AVX512F__)
 // 8 float lanes in gcc vector types (AVX2: one ymm; NEON: two q registers).
 using V8 = pagedinfer::F8v;
@@ -535,11 +534,6 @@ struct RowLimits {
   int64_t rows;  // nullptr limits: every row sees the whole span
 };
 
-// One work item: scores, soft cap, the tile's masks, e^(s - max) with its max and sum per
-// head row (m, l), and the unnormalised weighted sum into acc [group, head_dim]. `group`
-// counts the query heads of one kv head times the tile's rows (row-major: row r's heads are
-// r * heads_per_row ...). NV = head_dim / lanes takes the vector loops (16 lanes with
-// AVX-512, else 8), NV = 0 the generic ones.
 // Whether a cache of cache_t with this head_dim takes the vdpbf16ps paths (scores_bf16):
 // then the query comes unscaled and `attend` scales the scores.
 template <typename cache_t>
@@ -548,6 +542,12 @@ inline bool dot_bf16(int64_t head_dim) {
          (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
+// One work item: scores, soft cap, the tile's masks, e^(s - max) with its max and sum per
+// head row (m, l), and the unnormalised weighted sum into acc [group, head_dim]. `group`
+// counts the query heads of one kv head times the tile's rows (row-major: row r's heads are
+// r * heads_per_row ...). NV = head_dim / lanes takes the vector loops (16 lanes with
+// AVX-512, else 8), NV = 0 the generic ones. score_scale: what the vdpbf16ps path
+// (`dot_bf16`) multiplies its scores by; the other paths get a scaled query.
 template <int NV, typename scalar_t>
 void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
             const scalar_t* value_cache, const Span& span, float soft_cap, const RowLimits& limits,

@@ -349,13 +349,15 @@ void tile_int8(int64_t G, const uint8_t* xt, const uint8_t* w, int64_t run_bytes
     const int32_t* xd = reinterpret_cast<const int32_t*>(x);  // row r's codes: xd[8r .. 8r+7]
     const float* xscale = reinterpret_cast<const float*>(x + R * kGroup);
     const float* xsum = xscale + R;
-    const int32_t* xqsum = reinterpret_cast<const int32_t*>(xsum + R);
+    // Q8: -128 times each row's code sum (prepare_tiles), where its sums start: the codes
+    // c + 128 meet x, so sum(c x) = sum((c + 128) x) - 128 sum(x).
+    const int32_t* zero = reinterpret_cast<const int32_t*>(xsum + R);
     const uint8_t* rec[NB];
     for (int nb = 0; nb < NB; ++nb) rec[nb] = w + nb * run_bytes + g * Rec::kBytes;
-    __m512i s[R][NB];  // Q8: codes c + 128 meet x, so sum(c x) = sum((c + 128) x) - 128 sum(x)
+    __m512i s[R][NB];
     for (int r = 0; r < R; ++r)
       for (int nb = 0; nb < NB; ++nb)
-        s[r][nb] = F == Format::kQ8 ? _mm512_set1_epi32(xqsum[r]) : _mm512_setzero_si512();
+        s[r][nb] = F == Format::kQ8 ? _mm512_set1_epi32(zero[r]) : _mm512_setzero_si512();
     if constexpr (F == Format::kQ4) {
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NB], hi[NB];
