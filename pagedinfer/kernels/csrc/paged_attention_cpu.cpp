@@ -5,8 +5,10 @@
 // query [num_reqs, num_heads, head_dim]; block_table [num_reqs, max_blocks] int32;
 // seq_lens [num_reqs] int32. Returns [num_reqs, num_heads, head_dim] in the query's dtype.
 //
-// Work items are (request, part of the context, kv head); each handles its group of query
-// heads (GQA) so every K/V row is read once for the whole group. When there are fewer
+// Work items are (request, part of the context, kv heads): all the kv heads where there are
+// enough items without dividing them, so that each position's K (then V) rows of every kv
+// head, adjacent in the cache, are read as one stretch; each kv head's group of query heads
+// (GQA) takes every K/V row it reads once for the whole group. When there are fewer
 // requests than kItemsPerThread per thread (small batches, long contexts), each context is
 // split into parts of >= kMinPart positions so every core has work; each
 // part leaves its running max, its sum of e^(s - max) and its unnormalised weighted sum of
@@ -18,8 +20,10 @@
 // for other head sizes. A bfloat16 cache with AVX512-BF16 is not widened for the scores:
 // the (bf16) query meets each K row in vdpbf16ps and the scale goes on the scores; V is
 // widened 32 values at a time as its even and odd halves (scores_bf16, and the Halves
-// weighted sum). The blocks lie anywhere in the cache, so while one is read the next one's
-// rows are prefetched (the hardware prefetcher cannot guess them).
+// weighted sum). The blocks lie anywhere in the cache, so the scores pass asks for the K
+// rows a few KB ahead of it and for the V rows the weighted sums will read (Ahead): the
+// hardware prefetchers cannot guess the next block. Parts are capped at kMaxPartBytes of V
+// so that those V rows are still in L2 when the weighted sums come.
 //
 // Two per-layer options (Mistral, Phi-3, Gemma 2/3):
 // - sliding_window w > 0: the query at p = seq_len - 1 sees only positions j with
@@ -78,6 +82,8 @@ constexpr int64_t kItemsPerThread = 4;  // below this many requests per thread, 
                                         // are split into parts
 constexpr int64_t kMinPart = 128;       // positions per part at least (the combine step
                                         // costs about one position's work per part)
+constexpr int64_t kMaxPartBytes = 256 << 10;  // V bytes per part at most: the scores pass
+                                              // asks for them into L2 (see Ahead)
 
 // The positions one (request, kv head) pair attends to: [first, first + count) of the
 // request's context, found through its block table. Scores are indexed from first, so the
@@ -86,7 +92,9 @@ struct Span {
   const int32_t* table;
   int64_t first, count;
   int64_t block_size, row_stride, block_stride;
-  int64_t row_bytes;  // one kv head's row: head_dim values
+  int64_t heads;        // consecutive kv heads the item covers (their rows are adjacent)
+  int64_t head_stride;  // cache elements from one kv head's row to the next one's
+  int64_t row_bytes;    // the bytes of a position the item reads: its heads' rows
 
   // Asks for the rows of block b + 1 (if the span reaches it) while block b is read: the
   // blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one.
@@ -100,9 +108,45 @@ struct Span {
   }
 };
 
-// Calls row(t, ptr) for the span's positions first + t, t < count, of one kv head, walking
-// the blocks in order from the one holding `first` (entered mid-block; ptr: that position's
-// head_dim values in the cache).
+// Walks the span's positions kAheadBytes of rows ahead of the scores pass, block table and
+// all, and asks for their K rows (into L1: read next) and V rows (into L2: the weighted
+// sums read them after the scores pass; a span's V fits L2). Without it each core waits on
+// one block's DRAM lines at a time: the blocks lie anywhere, and the hardware prefetchers
+// stop at each 4 KiB page. Measured (docs/benchmarks.md "Decode attention: all kv heads in
+// one walk, V asked for early"): 1.15-1.6x the GB/s from DRAM, most of it from V.
+constexpr int64_t kAheadBytes = 6 << 10;
+
+template <typename scalar_t>
+struct Ahead {
+  const char* k;
+  const char* v;
+  const Span& span;
+  int64_t b, off, left;  // the block and offset of the next position to ask for; positions left
+
+  Ahead(const scalar_t* key_cache, const scalar_t* value_cache, const Span& s)
+      : k(reinterpret_cast<const char*>(key_cache)), v(reinterpret_cast<const char*>(value_cache)),
+        span(s), b(s.first / s.block_size), off(s.first % s.block_size), left(s.count) {
+    const int64_t rows = std::max<int64_t>(4, kAheadBytes / s.row_bytes);
+    for (int64_t i = 0; i < rows; ++i) step();
+  }
+
+  // Asks for the next position's rows (one more each time the walk moves on by one).
+  inline void step() {
+    if (left <= 0) return;
+    const int64_t at = (static_cast<int64_t>(span.table[b]) * span.block_stride + off * span.row_stride) *
+                       static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t l = 0; l < span.row_bytes; l += 64) {
+      __builtin_prefetch(k + at + l, 0, 3);
+      __builtin_prefetch(v + at + l, 0, 2);
+    }
+    --left;
+    if (++off == span.block_size) off = 0, ++b;
+  }
+};
+
+// Calls row(t, ptr) for the span's positions first + t, t < count, walking the blocks in
+// order from the one holding `first` (entered mid-block; ptr: that position's row of the
+// cache pointer's kv head, the span's other heads follow at head_stride).
 template <typename scalar_t, typename F>
 void for_each_position(const scalar_t* cache, const Span& span, F row) {
   const int64_t block_size = span.block_size, row_stride = span.row_stride;
@@ -122,13 +166,14 @@ template <typename scalar_t>
 void scores_generic(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
                     const Span& span, float* scores) {
   const int64_t count = span.count;
-  for_each_position(key_cache, span, [&](int64_t t, const scalar_t* k) {
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * head_dim;
+  for_each_position(key_cache, span, [&](int64_t t, const scalar_t* row) {
+    for (int64_t hg = 0; hg < span.heads * group; ++hg) {
+      const scalar_t* k = row + hg / group * span.head_stride;
+      const float* qg = q + hg * head_dim;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(k[d]);
-      scores[g * count + t] = s * row_scale(k, head_dim);
+      scores[hg * count + t] = s * row_scale(k, head_dim);
     }
   });
 }
@@ -190,33 +235,36 @@ inline __m512 sum_rows16(const float* rows) {
 // once and used by every head of the group; the 16 partial-sum vectors of a chunk are
 // reduced together.
 template <int NV, typename scalar_t>
-void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache, const Span& span,
-                   float* partial, float* scores) {
+void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache,
+                   const scalar_t* value_cache, const Span& span, float* partial, float* scores) {
   constexpr int64_t D = 16 * NV;
   const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
   int64_t b = span.first / block_size, first_off = span.first % block_size;
+  Ahead<scalar_t> ahead(key_cache, value_cache, span);
   for (int64_t t = 0; t < count; ++b, first_off = 0) {
-    span.prefetch_next(key_cache, b);
     const scalar_t* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
     // Chunks of <= 16 positions within the block (block_size need not be 16, and the
     // window's first block is entered at first_off).
     for (int64_t off = first_off; off < block_size && t < count; off += 16) {
       const int64_t n = std::min<int64_t>({16, block_size - off, count - t});
       for (int64_t i = 0; i < n; ++i) {
-        const scalar_t* k = kb + (off + i) * row_stride;
-        __m512 kv[NV];
-        for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
-        const __m512 ks = _mm512_set1_ps(row_scale(k, D));
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q + g * D;
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-          for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], s);
-          if constexpr (kQ8<scalar_t>) s = _mm512_mul_ps(s, ks);
-          _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
+        ahead.step();
+        for (int64_t h = 0; h < span.heads; ++h) {
+          const scalar_t* k = kb + (off + i) * row_stride + h * span.head_stride;
+          __m512 kv[NV];
+          for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+          const __m512 ks = _mm512_set1_ps(row_scale(k, D));
+          for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+            const float* qg = q + g * D;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+            for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], s);
+            if constexpr (kQ8<scalar_t>) s = _mm512_mul_ps(s, ks);
+            _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
+          }
         }
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t g = 0; g < span.heads * group; ++g)
         _mm512_mask_storeu_ps(scores + g * count + t, mask, sum_rows16(partial + g * 256));
       t += n;
     }
@@ -302,29 +350,33 @@ void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
 constexpr bool kDotBf16 = true;
 
 template <int NV>
-void scores_bf16(const __m512bh* qb, int64_t group, const c10::BFloat16* key_cache, const Span& span,
+void scores_bf16(const __m512bh* qb, int64_t group, const c10::BFloat16* key_cache,
+                 const c10::BFloat16* value_cache, const Span& span,
                  float scale, float* partial, float* scores) {
   constexpr int NP = NV / 2;  // zmm of 32 bf16 per row
   const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t b = span.first / block_size, first_off = span.first % block_size;
+  Ahead<c10::BFloat16> ahead(key_cache, value_cache, span);
   for (int64_t t = 0; t < count; ++b, first_off = 0) {
-    span.prefetch_next(key_cache, b);
     const c10::BFloat16* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
     for (int64_t off = first_off; off < block_size && t < count; off += 16) {
       const int64_t n = std::min<int64_t>({16, block_size - off, count - t});
       for (int64_t i = 0; i < n; ++i) {
-        const c10::BFloat16* k = kb + (off + i) * row_stride;
-        __m512bh kv[NP];
-        for (int j = 0; j < NP; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k + 32 * j);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g * NP], kv[0]);
-          for (int j = 1; j < NP; ++j) s = _mm512_dpbf16_ps(s, qb[g * NP + j], kv[j]);
-          _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
+        ahead.step();
+        for (int64_t h = 0; h < span.heads; ++h) {
+          const c10::BFloat16* k = kb + (off + i) * row_stride + h * span.head_stride;
+          __m512bh kv[NP];
+          for (int j = 0; j < NP; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k + 32 * j);
+          for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g * NP], kv[0]);
+            for (int j = 1; j < NP; ++j) s = _mm512_dpbf16_ps(s, qb[g * NP + j], kv[j]);
+            _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
+          }
         }
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t g = 0; g < span.heads * group; ++g)
         _mm512_mask_storeu_ps(scores + g * count + t, mask, _mm512_mul_ps(sum_rows16(partial + g * 256), sc));
       t += n;
     }
@@ -406,35 +458,38 @@ inline void sum_rows8(const float* rows, float* out) {
 // head_dim = 8 * NV. Each K row is widened once and used by every head of the group; the 8
 // partial-sum vectors of a chunk of positions are reduced together.
 template <int NV, typename scalar_t>
-void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache, const Span& span,
-                 float* partial, float* scores) {
+void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache,
+                 const scalar_t* value_cache, const Span& span, float* partial, float* scores) {
   constexpr int64_t D = 8 * NV;
   const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
   int64_t b = span.first / block_size, first_off = span.first % block_size;
+  Ahead<scalar_t> ahead(key_cache, value_cache, span);
   float sums[8];
   for (int64_t t = 0; t < count; ++b, first_off = 0) {
-    span.prefetch_next(key_cache, b);
     const scalar_t* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
     for (int64_t off = first_off; off < block_size && t < count; off += 8) {
       const int64_t n = std::min<int64_t>({8, block_size - off, count - t});
       for (int64_t i = 0; i < n; ++i) {
-        const scalar_t* k = kb + (off + i) * row_stride;
-        V8 kv[NV];
-        for (int j = 0; j < NV; ++j) kv[j] = load8(k + 8 * j);
-        const float ks = row_scale(k, D);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q + g * D;
-          V8 s0 = load8(qg) * kv[0], s1{};
-          for (int j = 1; j < NV; ++j) {
-            if (j & 1) s1 += load8(qg + 8 * j) * kv[j];
-            else s0 += load8(qg + 8 * j) * kv[j];
+        ahead.step();
+        for (int64_t h = 0; h < span.heads; ++h) {
+          const scalar_t* k = kb + (off + i) * row_stride + h * span.head_stride;
+          V8 kv[NV];
+          for (int j = 0; j < NV; ++j) kv[j] = load8(k + 8 * j);
+          const float ks = row_scale(k, D);
+          for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+            const float* qg = q + g * D;
+            V8 s0 = load8(qg) * kv[0], s1{};
+            for (int j = 1; j < NV; ++j) {
+              if (j & 1) s1 += load8(qg + 8 * j) * kv[j];
+              else s0 += load8(qg + 8 * j) * kv[j];
+            }
+            V8 s = s0 + s1;
+            if constexpr (kQ8<scalar_t>) s *= ks;
+            std::memcpy(partial + (g * 8 + i) * 8, &s, sizeof s);
           }
-          V8 s = s0 + s1;
-          if constexpr (kQ8<scalar_t>) s *= ks;
-          std::memcpy(partial + (g * 8 + i) * 8, &s, sizeof s);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < span.heads * group; ++g) {
         if (n == 8) {  // sum straight into place (a variable-length copy is a slow rep movs)
           sum_rows8(partial + g * 64, scores + g * count + t);
         } else {
@@ -543,9 +598,10 @@ inline bool dot_bf16(int64_t head_dim) {
 }
 
 // One work item: scores, soft cap, the tile's masks, e^(s - max) with its max and sum per
-// head row (m, l), and the unnormalised weighted sum into acc [group, head_dim]. `group`
-// counts the query heads of one kv head times the tile's rows (row-major: row r's heads are
-// r * heads_per_row ...). NV = head_dim / lanes takes the vector loops (16 lanes with
+// head row (m, l), and the unnormalised weighted sum into acc [span.heads * group,
+// head_dim]. `group` counts the query heads of one kv head times the tile's rows (row-major:
+// row r's heads are r * heads_per_row ...); the span's kv heads follow one another (kv head
+// h's head rows start at h * group). NV = head_dim / lanes takes the vector loops (16 lanes with
 // AVX-512, else 8), NV = 0 the generic ones. score_scale: what the vdpbf16ps path
 // (`dot_bf16`) multiplies its scores by; the other paths get a scaled query.
 template <int NV, typename scalar_t>
@@ -557,37 +613,38 @@ void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key
   if constexpr (kDot) {
     constexpr int NP = NV / 2;
     // The query rows in bf16 (exact: they were bf16); on the stack up to 32 heads of 256.
+    const int64_t rows = span.heads * group;
     __m512bh stack[32 * 8];
     std::vector<__m512bh> heap;
     __m512bh* qb = stack;
-    if (group * NP > 32 * 8) heap.resize(group * NP), qb = heap.data();
-    for (int64_t g = 0; g < group; ++g)
+    if (rows * NP > 32 * 8) heap.resize(rows * NP), qb = heap.data();
+    for (int64_t g = 0; g < rows; ++g)
       for (int j = 0; j < NP; ++j) {
         const float* qg = q + g * head_dim + 32 * j;
         qb[g * NP + j] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
       }
-    scores_bf16<NV>(qb, group, key_cache, span, score_scale, partial, scores);
+    scores_bf16<NV>(qb, group, key_cache, value_cache, span, score_scale, partial, scores);
   } else
 #endif
 #if defined(__AVX512F__)
   if constexpr (NV > 0)
-    scores_avx512<NV>(q, group, key_cache, span, partial, scores);
+    scores_avx512<NV>(q, group, key_cache, value_cache, span, partial, scores);
   else
 #else
   if constexpr (NV > 0)
-    scores_vec8<NV>(q, group, key_cache, span, partial, scores);
+    scores_vec8<NV>(q, group, key_cache, value_cache, span, partial, scores);
   else
 #endif
     scores_generic(q, group, head_dim, key_cache, span, scores);
-  const int64_t count = span.count;
+  const int64_t count = span.count, rows = span.heads * group;
   // The heads' score rows are contiguous: one pass caps them all.
-  if (soft_cap > 0.f) soft_cap_inplace(scores, group * count, soft_cap);
+  if (soft_cap > 0.f) soft_cap_inplace(scores, rows * count, soft_cap);
   const int64_t per_row = limits.lo == nullptr ? group : group / limits.rows;
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * count;
     if (limits.lo != nullptr) {
-      const int64_t r = g / per_row, lo = limits.lo[r], hi = limits.hi[r];
+      const int64_t r = g % group / per_row, lo = limits.lo[r], hi = limits.hi[r];
       if (hi <= lo) {  // this row sees none of the span (a part before its window or after it)
         std::fill(s, s + count, 0.f);
         m[g] = kMasked, l[g] = 0.f;
@@ -598,27 +655,33 @@ void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key
     }
     l[g] = pagedinfer::exp_shifted_inplace(s, count, m + g);
   }
-  // The weighted sums sweep V once per head (or few heads): a long span's V rows would
-  // stream from L3 or DRAM once per sweep, so they take it kVChunk positions at a time,
-  // which stay in L1 while every head takes its turn.
-  std::fill(acc, acc + group * head_dim, 0.f);
+  // The weighted sums sweep V once per kv head and few query heads: a long span's V rows
+  // would stream from L3 or DRAM once per sweep, so they take it kVChunk positions at a
+  // time, which stay in L1 while every head takes its turn (and the chunk's rows of all the
+  // item's kv heads, adjacent in the cache, are read as one stretch).
+  std::fill(acc, acc + rows * head_dim, 0.f);
   for (int64_t c0 = 0; c0 < count; c0 += kVChunk) {
     Span chunk = span;
     chunk.first += c0;
     chunk.count = std::min(kVChunk, count - c0);
+    for (int64_t h = 0; h < span.heads; ++h) {
+      const float* sh = scores + h * group * count + c0;
+      const scalar_t* vh = value_cache + h * span.head_stride;
+      float* ah = acc + h * group * head_dim;
 #if defined(__AVX512F__)
-    if constexpr (NV > 0)
-      weighted_sum_avx512<NV, kDot>(scores + c0, count, group, value_cache, chunk, acc);
-    else
+      if constexpr (NV > 0)
+        weighted_sum_avx512<NV, kDot>(sh, count, group, vh, chunk, ah);
+      else
 #else
-    if constexpr (NV > 0)
-      weighted_sum_vec8<NV>(scores + c0, count, group, value_cache, chunk, acc);
-    else
+      if constexpr (NV > 0)
+        weighted_sum_vec8<NV>(sh, count, group, vh, chunk, ah);
+      else
 #endif
-      weighted_sum_generic(scores + c0, count, group, head_dim, value_cache, chunk, acc);
+        weighted_sum_generic(sh, count, group, head_dim, vh, chunk, ah);
+    }
   }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if constexpr (kDot) interleave_bf16_acc(acc, group, head_dim);
+  if constexpr (kDot) interleave_bf16_acc(acc, rows, head_dim);
 #endif
 }
 
@@ -696,11 +759,14 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t pairs = num_tiles * num_kv_heads;
   const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  const int64_t position_bytes = num_kv_heads * row_dim * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t max_part = std::max(kMinPart, kMaxPartBytes / position_bytes / 16 * 16);
   int64_t part_len = longest;
   if (num_tiles < wanted) {
     const int64_t parts = (wanted + num_tiles - 1) / num_tiles;
     part_len = std::max(kMinPart, ((longest + parts - 1) / parts + 15) / 16 * 16);
   }
+  part_len = std::min(part_len, max_part);
   // Parts of tile i: part_start[i] .. part_start[i + 1] - 1 (global part ids).
   std::vector<int64_t> part_start(num_tiles + 1, 0), part_tile;
   for (int64_t i = 0; i < num_tiles; ++i) {
@@ -710,7 +776,17 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
   }
   const int64_t total_parts = part_start[num_tiles];
   const bool split = total_parts > num_tiles;
-  const int64_t width = max_rows * group;  // head rows of the widest tile
+  // kv heads per work item: all of them where the parts alone give every thread enough
+  // items, so that an item reads each position's rows of all kv heads, adjacent in the
+  // cache, as one stretch (one kv head's rows alone are a strided walk, and Ahead then asks
+  // for whole positions); fewer (a divisor) where more items are needed.
+  int64_t item_heads = num_kv_heads;
+  while (item_heads > 1 && total_parts * (num_kv_heads / item_heads) < wanted) {
+    do --item_heads;
+    while (num_kv_heads % item_heads != 0);
+  }
+  const int64_t head_groups = num_kv_heads / item_heads;
+  const int64_t width = max_rows * group;  // head rows of the widest tile, per kv head
   // Split tiles' partial results: [part, kv head, width] maxes and sums, and
   // [part, kv head, width, head_dim] unnormalised sums.
   std::vector<float> part_m, part_l, part_acc;
@@ -729,22 +805,24 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
   };
   // Work items in zigzag order (0, N-1, 1, N-2, ...): a thread's contiguous range then mixes
   // early and late items, whose lengths differ most (causal rows, sorted contexts).
-  const int64_t num_items = total_parts * num_kv_heads;
+  const int64_t num_items = total_parts * head_groups;
   auto item = [num_items](int64_t i) { return i % 2 == 0 ? i / 2 : num_items - 1 - i / 2; };
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(width * head_dim), acc(width * head_dim), m(width), l(width);
+    const int64_t rows_max = item_heads * width;
+    std::vector<float> q(rows_max * head_dim), acc(rows_max * head_dim), m(rows_max), l(rows_max);
     std::vector<float> scores;
-    std::vector<float> partial(width * 16 * 16);  // per-chunk partial dot products
+    std::vector<float> partial(rows_max * 16 * 16);  // per-chunk partial dot products
     std::vector<int64_t> lo(max_rows), hi(max_rows);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t work = item(i);
-      const int64_t part = work / num_kv_heads, kvh = work % num_kv_heads;
+      const int64_t part = work / head_groups, kvh0 = work % head_groups * item_heads;
       const Tile& tile = tiles[part_tile[part]];
       const int64_t index = part - part_start[part_tile[part]];
       const int64_t start = index * part_len, n = tile.rows * group;
       const Span span{block_table + tile.req * max_blocks, tile.first + start,
                       std::min(part_len, tile.count - start), block_size, row_stride, block_stride,
-                      row_dim * static_cast<int64_t>(sizeof(cache_t))};
+                      item_heads, row_dim,
+                      item_heads * row_dim * static_cast<int64_t>(sizeof(cache_t))};
       RowLimits limits{nullptr, nullptr, tile.rows};
       if (tile.rows > 1) {
         // Row r (position pos0 + r) sees [max(pos - window + 1, 0), pos], as span indices.
@@ -756,23 +834,32 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
         }
         limits = {lo.data(), hi.data(), tile.rows};
       }
-      const cache_t* kc = key_cache + kvh * row_dim;
-      const cache_t* vc = value_cache + kvh * row_dim;
-      for (int64_t h = 0; h < n; ++h) {
-        const scalar_t* src = query + head_offset(tile, kvh, h);
-        for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = static_cast<float>(src[d]) * q_scale;
+      const cache_t* kc = key_cache + kvh0 * row_dim;
+      const cache_t* vc = value_cache + kvh0 * row_dim;
+      for (int64_t kh = 0; kh < item_heads; ++kh) {
+        for (int64_t h = 0; h < n; ++h) {
+          const scalar_t* src = query + head_offset(tile, kvh0 + kh, h);
+          float* dst = q.data() + (kh * n + h) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * q_scale;
+        }
       }
-      if (static_cast<int64_t>(scores.size()) < n * span.count) scores.resize(n * span.count);
+      if (static_cast<int64_t>(scores.size()) < item_heads * n * span.count)
+        scores.resize(item_heads * n * span.count);
       attend_any(q.data(), n, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial.data(),
                  scores.data(), acc.data(), m.data(), l.data());
       const int64_t t = part_tile[part];
-      if (part_start[t + 1] - part_start[t] == 1) {
-        for (int64_t h = 0; h < n; ++h) write_out(tile, kvh, h, acc.data() + h * head_dim, 1.f / l[h]);
-      } else {
-        const int64_t at = (part * num_kv_heads + kvh) * width;
-        std::copy(m.begin(), m.begin() + n, part_m.begin() + at);
-        std::copy(l.begin(), l.begin() + n, part_l.begin() + at);
-        std::copy(acc.begin(), acc.begin() + n * head_dim, part_acc.begin() + at * head_dim);
+      for (int64_t kh = 0; kh < item_heads; ++kh) {
+        const int64_t kvh = kvh0 + kh;
+        const float* acc_h = acc.data() + kh * n * head_dim;
+        if (part_start[t + 1] - part_start[t] == 1) {
+          for (int64_t h = 0; h < n; ++h)
+            write_out(tile, kvh, h, acc_h + h * head_dim, 1.f / l[kh * n + h]);
+        } else {
+          const int64_t at = (part * num_kv_heads + kvh) * width;
+          std::copy(m.begin() + kh * n, m.begin() + (kh + 1) * n, part_m.begin() + at);
+          std::copy(l.begin() + kh * n, l.begin() + (kh + 1) * n, part_l.begin() + at);
+          std::copy(acc_h, acc_h + n * head_dim, part_acc.begin() + at * head_dim);
+        }
       }
     }
   });

@@ -263,6 +263,35 @@ def test_paged_kernel_on_model_shapes(
     torch.testing.assert_close(out.float(), out_ref, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "seq_lens"),
+    [
+        # 12 requests of 700-1,500 positions: enough items without dividing the contexts,
+        # but each context longer than a part's V bytes allow (several parts, combined).
+        (9, 3, [700, 1500, 1023, 1024, 1025, 800, 1400, 900, 1200, 777, 1111, 999]),
+        # 3 short decodes over 8 kv heads: too few items with all heads in one, so each
+        # item takes a divisor of them (2 kv heads).
+        (16, 8, [50, 129, 150]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_kernel_parts_and_head_groups(
+    num_heads: int, num_kv_heads: int, seq_lens: list[int], dtype: torch.dtype
+) -> None:
+    """How the decode kernel divides its work (contexts into parts, kv heads among items)
+    does not change its result."""
+    torch.manual_seed(len(seq_lens))
+    shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": 64}
+    common, q, k, v, cache = _batch_from([1] * len(seq_lens), seq_lens, dtype, **shape)
+    scale = 64**-0.5
+    ref = TorchRefBackend(num_heads, num_kv_heads, 64, scale)
+    out_ref = ref.forward(q.float(), k.float(), v.float(), cache.float(), ref.build(common))
+    paged = _paged_backend(scale, num_heads, num_kv_heads, 64)
+    out = paged.forward(q, k, v, cache.clone(), paged.build(common))
+    atol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.float(), out_ref, atol=atol, rtol=0)
+
+
 def test_reference_with_window_and_soft_cap_equals_dense_attention() -> None:
     """The oracle with options: one fresh prefill equals dense attention with a banded
     causal mask and tanh-capped scores, written out here."""
