@@ -88,10 +88,12 @@ class ModelConfig:
     AVX2's vpmaddubsw), as llama.cpp does on every CPU: faster, with a rounding of <= 0.4%
     of each group's largest value (over SmolLM2 bf16 prompts, 94.0% top-1 agreement with
     float32 where dense bf16 has 97.9%; docs/benchmarks.md); "auto" is int8 for
-    bfloat16/float16 models and float32 for float32 ones (which keep greedy parity with
-    transformers). Every format has the int8 path (with AVX512-VNNI, steps of 16+ rows as a
-    GEMM, 8+ for Q5_0 and the K-quants, whose smaller steps run AVX2 code); where the CPU
-    has no integer dot product, float32."""
+    bfloat16/float16 models and for float32 models whose float32 is the AVX2 tier's
+    `dtype="auto"` (the speed-first setting there: batch-1 decode 1.2-1.9x llama.cpp's AVX2
+    build where exact activations were 0.6-1.0x), and float32 for an explicit
+    `dtype="float32"` (greedy parity with transformers). Every format has the int8 path
+    (with AVX512-VNNI, steps of 16+ rows as a GEMM, 8+ for Q5_0 and the K-quants, whose
+    smaller steps run AVX2 code); where the CPU has no integer dot product, float32."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
     adapt_threads: bool = False

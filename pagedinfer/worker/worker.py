@@ -52,7 +52,13 @@ logger = logging.getLogger(__name__)
 _FLOAT_MATRIX_TYPES = frozenset({"F32", "F16", "BF16"})
 """GGUF matrix types that are not quantised."""
 
-__all__ = ["Worker", "default_quant_max_tokens", "kv_cache_bytes_per_block", "resolve_dtype"]
+__all__ = [
+    "Worker",
+    "auto_int8_activations",
+    "default_quant_max_tokens",
+    "kv_cache_bytes_per_block",
+    "resolve_dtype",
+]
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch_ref": TorchRefBackend,
@@ -113,6 +119,20 @@ _QUANT_MAX_TOKENS_OTHER = 32
 def default_quant_max_tokens(tier: str, int8_activations: bool) -> int:
     """`ModelConfig.quant_max_tokens` when left unset, for kernel tier `tier`."""
     return _QUANT_MAX_TOKENS.get((tier, int8_activations), _QUANT_MAX_TOKENS_OTHER)
+
+
+def auto_int8_activations(dtype: torch.dtype, requested_dtype: str, tier: str) -> bool:
+    """What `quant_activations="auto"` means for a model of `dtype` (`requested_dtype`: the
+    config's, maybe "auto") on kernel tier `tier`: int8 for bfloat16/float16 models, and for
+    float32 ones only where float32 is the AVX2 tier's `dtype="auto"` (the speed-first
+    setting there: with int8 activations every row of the AVX2 table beside llama.cpp's AVX2
+    build was at or above it, with exact ones batch-1 decode was below on every model;
+    docs/benchmarks.md). An explicit `dtype="float32"` keeps exact activations (greedy
+    parity with transformers). Float32 on AVX-512 without bf16 keeps them too: int8 there
+    is unmeasured."""
+    if dtype != torch.float32:
+        return True
+    return requested_dtype == "auto" and tier == "avx2"
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -233,8 +253,16 @@ class Worker:
         int8 = False
         if kernels is not None:  # the paged backend's C++ build
             int8 = (
-                activations == "int8" or (activations == "auto" and self.dtype != torch.float32)
+                activations == "int8"
+                or (
+                    activations == "auto"
+                    and auto_int8_activations(
+                        self.dtype, self.config.model_config.dtype, kernel_isa()
+                    )
+                )
             ) and kernels.quant_linear_uses_int8_activations()
+            if activations == "auto":  # resolved once here, not per call from x's dtype
+                activations = "int8" if int8 else "float32"
             wanted_rows = self.config.model_config.quant_max_tokens
             max_rows = (
                 default_quant_max_tokens(kernel_isa(), int8) if wanted_rows is None else wanted_rows

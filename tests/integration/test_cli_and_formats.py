@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pagedinfer import LLM, SamplingParams
 
@@ -62,6 +63,25 @@ def test_hf_directory_gives_the_same_greedy_tokens(tmp_path, default_gguf_path) 
     assert hf.prompt_token_ids == gguf.prompt_token_ids
     assert hf.outputs[0].token_ids == gguf.outputs[0].token_ids
     assert hf.outputs[0].text == gguf.outputs[0].text
+
+
+def test_auto_activations_on_the_avx2_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the AVX2 tier `dtype="auto"` is float32 with int8 activations for the quantised
+    products (llama.cpp's arithmetic: the tier's speed-first setting) and every step through
+    them; an explicit `dtype="float32"` keeps exact activations and the exact cut-off."""
+    from pagedinfer.kernels.cpu import cpu_isa
+
+    if cpu_isa() not in ("avx2", "avx512", "amx"):
+        pytest.skip(f"no AVX2 here ({cpu_isa()})")
+    monkeypatch.setenv("PAGEDINFER_MAX_CPU_ISA", "avx2")
+    seen = {}
+    for dtype in ("auto", "float32"):
+        with LLM(dtype=dtype, kv_cache_memory_bytes=32 * 2**20, max_model_len=256) as llm:
+            worker = llm.llm_engine.engine_core.executor.worker
+            down = worker.model.layers[0].mlp.down_proj
+            seen[dtype] = (worker.dtype, down.quant.activations, worker.quant_max_tokens)
+    assert seen["auto"] == (torch.float32, "int8", 2048)
+    assert seen["float32"] == (torch.float32, "float32", 64)
 
 
 def test_projections_without_a_dense_copy_when_every_step_is_quantised() -> None:
