@@ -92,8 +92,9 @@ class ModelConfig:
     `dtype="auto"` (the speed-first setting there: batch-1 decode 1.2-1.9x llama.cpp's AVX2
     build where exact activations were 0.6-1.0x), and float32 for an explicit
     `dtype="float32"` (greedy parity with transformers). Every format has the int8 path
-    (with AVX512-VNNI, steps of 16+ rows as a GEMM, 8+ for Q5_0 and the K-quants, whose
-    smaller steps run AVX2 code); where the CPU has no integer dot product, float32."""
+    (with AVX512-VNNI, steps of 16+ rows as a GEMM, 32+ for Q5_0 and the K-quants, whose
+    smaller steps take one prefetched pass over the weights); where the CPU has no integer
+    dot product, float32."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; None keeps torch's default (one per core)."""
     adapt_threads: bool = False

@@ -100,7 +100,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 # The largest step (in rows) for which the quantised kernels beat the dense weights, per kernel
 # tier and activation mode (docs/benchmarks.md, "quant_max_tokens"). On AVX-512 with bfloat16
-# (int8 activations) steps of 16+ rows (8+ for Q5_0/K-quants) run a register-blocked VNNI GEMM
+# (int8 activations) steps of 16+ rows (32+ for Q5_0/K-quants) run a register-blocked VNNI GEMM
 # over tiles of 6 rows (every format): on Zen 5 it beat oneDNN's dense bf16 at every size
 # measured (SmolLM2's four Q4_1 products of a layer 1.37x at 512 rows, 1.35x at 2,048; Q5_0
 # 1.39x, Q4_K 1.31-1.40x, Q5_K 1.26x at 512; Q6_K 1.05-1.15x since its zero point seeds the

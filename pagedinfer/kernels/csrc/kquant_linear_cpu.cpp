@@ -11,8 +11,9 @@
 // summation order (greedy parity with the dequantised weights). With int8 activations
 // (AVX2 and up), the activations are rounded per group of 32 as quant_linear_cpu.cpp does
 // and the codes meet them in vpmaddubsw/vpmaddwd integer dot products: exact integer sums
-// per sub-block, scaled in float32; with AVX512-VNNI, steps of 8+ rows in vpdpbusd through
-// a register-blocked GEMM (tile_int8 below), with the same float arithmetic.
+// per sub-block, scaled in float32; with AVX512-VNNI, vpdpbusd on 16 lanes: steps of 32+
+// rows through a register-blocked GEMM (tile_int8 below), smaller ones in one prefetched
+// pass over the weights (block_int8_16), both with the same float arithmetic.
 //
 // Packed layout ("planes", written by model/quant.py): output features padded to 16, one
 // record per (block of 16 features, super-block), in this order:
@@ -466,10 +467,74 @@ torch::Tensor run_gemm_int8(const torch::Tensor& x, const uint8_t* packed, int64
 }
 #endif
 
+#if defined(PAGEDINFER_INT8_GEMM)
+// Few rows (steps below kGemmMinRowsK) with AVX512-VNNI: block_int8's walk over the
+// weights (one pass per step, prefetched), all 16 lanes of a block in one zmm and vpdpbusd
+// where block_int8 takes two 8-lane passes of vpmaddubsw / vpmaddwd; the sums start at the
+// zero point (-kZero x the sub-block's activation code sum) as tile_int8's do. Same integer
+// sums and the same float operations in the same order as block_int8, so bit-identical
+// results. Measured (docs/benchmarks.md "K-quant steps of 1-31 rows on zmm VNNI"):
+// 1.4-2.4x block_int8.
+template <class F, int R>
+void block_int8_16(const Activations& a, const PairedActivations& p, int64_t r0,
+                   const uint8_t* recs, float (*acc_out)[kLanes]) {
+  using L = Layout<F>;
+  constexpr int64_t kWords = F::kSub / 8;
+  const int64_t K = a.K, G = a.G, num_super = K / F::kSuper;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* rec = recs + sb * L::kBytes;
+    pagedinfer::quant::prefetch_ahead(rec, L::kBytes);
+    const int8_t* x = p.xp.data() + r0 * K + sb * F::kSuper;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L::kD)));
+    __m512 dmin = _mm512_setzero_ps();
+    if constexpr (F::kMins)
+      dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L::kDmin)));
+    for (int64_t sub = 0; sub < L::kNumSub; ++sub) {
+      const int64_t first = sb * F::kSuper + sub * F::kSub, g = first / kGroup;
+      // The even and the odd codes' products in separate sums (two dependency chains of
+      // vpdpbusd instead of one: at 1-2 rows the chain's latency is the kernel's pace).
+      __m512i s[R], t[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int32_t xs = F::kSub == 16 ? p.sum16[row * (K / 16) + first / 16] : a.xqsum[row * G + g];
+        s[r] = _mm512_set1_epi32(-F::kZero * xs);
+        t[r] = _mm512_setzero_si512();
+      }
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < kWords; ++m) {
+        const int64_t w = sub * kWords + m;
+        __m512i ev, od;
+        codes_of_word16<F>(rec, w, ev, od);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xd = reinterpret_cast<const int32_t*>(x + r * K + 8 * w);
+          s[r] = _mm512_dpbusd_epi32(s[r], ev, _mm512_set1_epi32(xd[0]));
+          t[r] = _mm512_dpbusd_epi32(t[r], od, _mm512_set1_epi32(xd[1]));
+        }
+      }
+      for (int r = 0; r < R; ++r) s[r] = _mm512_add_epi32(s[r], t[r]);
+      __m512 scale = d, min = _mm512_setzero_ps();
+      if constexpr (F::kSubScales) scale = _mm512_mul_ps(d, scales16<F::kSignedScales>(rec + L::kSc + sub * 16));
+      if constexpr (F::kMins) min = _mm512_mul_ps(dmin, scales16<false>(rec + L::kMn + sub * 16));
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(scale, _mm512_set1_ps(a.xscale[row * G + g])),
+                                 acc[r]);
+        if constexpr (F::kMins) acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(a.xsum[row * G + g]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out[r], acc[r]);
+}
+#endif
+
 template <class F>
 void block_rows(int R, const Activations& a, const PairedActivations* paired, int64_t r0,
                 const uint8_t* recs, float (*acc)[kLanes]) {
-#if defined(PAGEDINFER_KQUANT_INT8)
+#if defined(PAGEDINFER_INT8_GEMM)
+#define PAGEDINFER_INT8_ROWS(N) if (paired != nullptr) return block_int8_16<F, N>(a, *paired, r0, recs, acc);
+#elif defined(PAGEDINFER_KQUANT_INT8)
 #define PAGEDINFER_INT8_ROWS(N) if (paired != nullptr) return block_int8<F, N>(a, *paired, r0, recs, acc);
 #else
 #define PAGEDINFER_INT8_ROWS(N)

@@ -206,10 +206,12 @@ torch::Tensor run_blocks(const torch::Tensor& x, int64_t blocks, int64_t out_fea
 constexpr int kTileRows = 6;          // rows per tile: 2 x 6 int32 sums + 2 x 6 float totals in zmm
 constexpr int kTileBlocks = 2;        // feature blocks of 16 per work item of the microkernels
 constexpr int64_t kGemmMinRows = 16;  // below, the few-row kernels (docs/benchmarks.md)
-// Q5_0 and the K-quants, whose few-row kernels on AVX-512 are the AVX2 code: the GEMM beat
-// them 2-3x in cache from 5 rows and from DRAM from 8 (level at 8, 1.3-1.6x at 10-15 rows;
-// below 8 its 6-row tiles' idle rows cost more than DRAM latency saves).
-constexpr int64_t kGemmMinRowsK = 8;
+// Q5_0 and the K-quants: their few-row kernel with AVX512-VNNI (kquant_linear_cpu.cpp,
+// block_int8_16) streams the weights once per step with prefetch, and from DRAM (where a
+// real model's weights are) it beat the GEMM up to 40-48 rows (Q4_K 1,070-1,080 against
+// 860-890 GFLOP/s at 24-32 rows, Q6_K 860-870 against 730-770); in cache the GEMM wins from
+// ~10 rows (Q4_K 1,215 against 850 at 12). 32: DRAM's side of that, with a margin.
+constexpr int64_t kGemmMinRowsK = 32;
 
 constexpr int64_t tile_record_bytes(bool sums16) { return kTileRows * (kGroup + 12 + (sums16 ? 8 : 0)); }
 
