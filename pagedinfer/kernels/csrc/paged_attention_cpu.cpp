@@ -85,7 +85,7 @@ constexpr int64_t kMinPart = 128;       // positions per part at least (the comb
 constexpr int64_t kMaxPartBytes = 256 << 10;  // V bytes per part at most: the scores pass
                                               // asks for them into L2 (see Ahead)
 
-// The positions one (request, kv head) pair attends to: [first, first + count) of the
+// The positions one work item (request, its kv heads) attends to: [first, first + count) of the
 // request's context, found through its block table. Scores are indexed from first, so the
 // score of position first + t is at t (per head: scores[g * count + t]).
 struct Span {
@@ -95,22 +95,11 @@ struct Span {
   int64_t heads;        // consecutive kv heads the item covers (their rows are adjacent)
   int64_t head_stride;  // cache elements from one kv head's row to the next one's
   int64_t row_bytes;    // the bytes of a position the item reads: its heads' rows
-
-  // Asks for the rows of block b + 1 (if the span reaches it) while block b is read: the
-  // blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one.
-  template <typename scalar_t>
-  void prefetch_next(const scalar_t* cache, int64_t b) const {
-    if ((b + 1) * block_size >= first + count) return;
-    const char* next = reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b + 1]) * block_stride);
-    for (int64_t i = 0; i < block_size; ++i)
-      for (int64_t l = 0; l < row_bytes; l += 64)
-        __builtin_prefetch(next + i * row_stride * static_cast<int64_t>(sizeof(scalar_t)) + l, 0, 1);
-  }
 };
 
 // Walks the span's positions kAheadBytes of rows ahead of the scores pass, block table and
 // all, and asks for their K rows (into L1: read next) and V rows (into L2: the weighted
-// sums read them after the scores pass; a span's V fits L2). Without it each core waits on
+// sums read them after the scores pass, a span's V fits L2, so they ask for nothing). Without it each core waits on
 // one block's DRAM lines at a time: the blocks lie anywhere, and the hardware prefetchers
 // stop at each 4 KiB page. Measured (docs/benchmarks.md "Decode attention: all kv heads in
 // one walk, V asked for early"): 1.15-1.6x the GB/s from DRAM, most of it from V.
@@ -152,7 +141,6 @@ void for_each_position(const scalar_t* cache, const Span& span, F row) {
   const int64_t block_size = span.block_size, row_stride = span.row_stride;
   int64_t b = span.first / block_size, off = span.first % block_size;
   for (int64_t t = 0; t < span.count; ++b, off = 0) {
-    span.prefetch_next(cache, b);
     const int64_t n = std::min(block_size - off, span.count - t);
     const scalar_t* base = cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * row_stride;
     for (int64_t i = 0; i < n; ++i) row(t + i, base + i * row_stride);
@@ -164,9 +152,11 @@ void for_each_position(const scalar_t* cache, const Span& span, F row) {
 // loops; gcc vectorises the inner products where it can).
 template <typename scalar_t>
 void scores_generic(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
-                    const Span& span, float* scores) {
+                    const scalar_t* value_cache, const Span& span, float* scores) {
   const int64_t count = span.count;
+  Ahead<scalar_t> ahead(key_cache, value_cache, span);
   for_each_position(key_cache, span, [&](int64_t t, const scalar_t* row) {
+    ahead.step();
     for (int64_t hg = 0; hg < span.heads * group; ++hg) {
       const scalar_t* k = row + hg / group * span.head_stride;
       const float* qg = q + hg * head_dim;
@@ -287,7 +277,6 @@ void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar
     for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_loadu_ps(acc_out + g * 16 * NV + 16 * j);
   int64_t b = span.first / block_size, off = span.first % block_size;
   for (int64_t t = 0; t < count; ++b, off = 0) {
-    span.prefetch_next(value_cache, b);
     const int64_t n = std::min(block_size - off, count - t);
     const scalar_t* vb = value_cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * row_stride;
     for (int64_t i = 0; i < n; ++i) {
@@ -635,7 +624,7 @@ void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key
     scores_vec8<NV>(q, group, key_cache, value_cache, span, partial, scores);
   else
 #endif
-    scores_generic(q, group, head_dim, key_cache, span, scores);
+    scores_generic(q, group, head_dim, key_cache, value_cache, span, scores);
   const int64_t count = span.count, rows = span.heads * group;
   // The heads' score rows are contiguous: one pass caps them all.
   if (soft_cap > 0.f) soft_cap_inplace(scores, rows * count, soft_cap);
