@@ -94,3 +94,25 @@ def test_lower_tier_gives_the_native_results(tier: str) -> None:
         for rows in (1, 4, 11):
             want = QuantizedWeight(blocks, native)(xb[:rows])
             _close(QuantizedWeight(blocks, lower)(xb[:rows]), want)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx2" not in LOWER, reason=f"no avx2 tier below this CPU's ({NATIVE})")
+def test_int8_kquant_paths_agree_bit_for_bit_across_tiers() -> None:
+    """int8 activations are exact integer sums and the same float operations in every
+    kernel (AVX2: few-row kernel below 9 rows, ymm tile GEMM from 9; AVX512-VNNI: zmm
+    few-row kernel below 32, tile GEMM from 32), so every tier gives identical bits."""
+    native, lower = load_cpu_kernels(), load_cpu_kernels(isa="avx2")
+    if native is None or lower is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    assert native.kquant_linear_uses_int8_activations()
+    assert lower.kquant_linear_uses_int8_activations()
+    x = torch.randn(45, 1024, generator=torch.Generator().manual_seed(3))
+    for kind in KINDS:
+        blocks = random_raw(kind, 70, 1024, seed=5)  # 70 features: a partial last block
+        for rows in (1, 5, 8, 9, 13, 32, 45):
+            for dtype in (torch.float32, torch.bfloat16):
+                xb = x[:rows].to(dtype)
+                want = QuantizedWeight(blocks, native, "int8")(xb)
+                got = QuantizedWeight(blocks, lower, "int8")(xb)
+                assert torch.equal(got, want), (kind, rows, dtype)

@@ -10,10 +10,12 @@
 // applies a_s and m_s once per sub-block, so float32 models equal the dense product up to
 // summation order (greedy parity with the dequantised weights). With int8 activations
 // (AVX2 and up), the activations are rounded per group of 32 as quant_linear_cpu.cpp does
-// and the codes meet them in vpmaddubsw/vpmaddwd integer dot products: exact integer sums
-// per sub-block, scaled in float32; with AVX512-VNNI, vpdpbusd on 16 lanes: steps of 32+
-// rows through a register-blocked GEMM (tile_int8 below), smaller ones in one prefetched
-// pass over the weights (block_int8_16), both with the same float arithmetic.
+// and the codes meet them in integer dot products: exact integer sums per sub-block,
+// scaled in float32. AVX2: vpmaddubsw/vpmaddwd on 8 lanes in one prefetched pass over the
+// weights (block_int8); with AVX-VNNI vpdpbusd, and steps of 9+ rows through a GEMM of
+// 6-row tiles (tile_half_ymm). AVX512-VNNI: vpdpbusd on 16 lanes, steps
+// of 32+ rows through a register-blocked GEMM (tile_int8), smaller ones through
+// block_int8_16. Every one of them has the same float arithmetic: the same bits.
 //
 // Packed layout ("planes", written by model/quant.py): output features padded to 16, one
 // record per (block of 16 features, super-block), in this order:
@@ -271,15 +273,36 @@ inline void codes_of_word(const uint8_t* rec, int64_t lane, int64_t w, __m256i& 
 
 // Sub-block s of one super-block, one 8-lane pass: dot[r] = the integer dot products of
 // its codes (unsigned, zero point not yet taken off) with row r0 + r's int8 activations
-// (`x` at the super-block's first input of row r0). vpmaddubsw pairs stay in 16 bits for
-// as many words as cannot overflow (per word <= 2 x 2 x 15 x 127 with 4-bit codes: 4
-// words; 5-bit: 2; 6-bit: 1), then vpmaddwd widens them.
+// (`x` at the super-block's first input of row r0). With AVX-VNNI (or AVX512-VNNI's ymm
+// form) vpdpbusd multiplies and sums into 32 bits in one instruction: the even and the odd
+// codes in two chains while few rows give few independent ones. Otherwise vpmaddubsw pairs
+// stay in 16 bits for as many words as cannot overflow (per word <= 2 x 2 x 15 x 127 with
+// 4-bit codes: 4 words; 5-bit: 2; 6-bit: 1), then vpmaddwd widens them. Exact integer sums
+// either way, so both give the same results.
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define PAGEDINFER_YMM_VNNI 1
+inline __m256i dpbusd8(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#endif
+}
+#endif
+
 template <class F, int R>
 inline void sub_block_dots(const uint8_t* rec, int64_t lane, int64_t s, const int8_t* x,
                            int64_t K, __m256i (&dot)[R]) {
-  constexpr int64_t kWords = F::kSub / 8, kRun = F::kBits == 4 ? 4 : F::kBits == 5 ? 2 : 1;
+  constexpr int64_t kWords = F::kSub / 8;
+#if defined(PAGEDINFER_YMM_VNNI)
+  constexpr bool kTwoChains = R <= 4;
+  __m256i odd[R];
+  for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_si256();
+#else
+  constexpr int64_t kRun = F::kBits == 4 ? 4 : F::kBits == 5 ? 2 : 1;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i s16[R];
+#endif
   for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int64_t m = 0; m < kWords; ++m) {
@@ -288,13 +311,23 @@ inline void sub_block_dots(const uint8_t* rec, int64_t lane, int64_t s, const in
     codes_of_word<F>(rec, lane, w, ev, od);
     for (int r = 0; r < R; ++r) {
       const int32_t* xd = reinterpret_cast<const int32_t*>(x + r * K + 8 * w);
+#if defined(PAGEDINFER_YMM_VNNI)
+      dot[r] = dpbusd8(dot[r], ev, _mm256_set1_epi32(xd[0]));
+      if constexpr (kTwoChains) odd[r] = dpbusd8(odd[r], od, _mm256_set1_epi32(xd[1]));
+      else dot[r] = dpbusd8(dot[r], od, _mm256_set1_epi32(xd[1]));
+#else
       const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ev, _mm256_set1_epi32(xd[0])),
                                          _mm256_maddubs_epi16(od, _mm256_set1_epi32(xd[1])));
       s16[r] = m % kRun == 0 ? p : _mm256_add_epi16(s16[r], p);
       if (m % kRun == kRun - 1 || m == kWords - 1)
         dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
+#endif
     }
   }
+#if defined(PAGEDINFER_YMM_VNNI)
+  if constexpr (kTwoChains)
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], odd[r]);
+#endif
 }
 
 template <class F, int R>
@@ -338,6 +371,118 @@ void block_int8(const Activations& a, const PairedActivations& p, int64_t r0, co
       }
     }
   }
+}
+#endif
+
+// --- many rows on the AVX2 tier: the tiles of tile_int8 below, one half block at a time --
+//
+// The activations in tiles of kTileRows rows (quant_common.h, prepare_tiles: one pointer
+// reaches every row's codes, scales and sums); a tile's rows times one half (8 features)
+// of a block over all of K, the float totals in kTileRows ymm registers, each word's codes
+// unpacked once for all of the tile's rows. block_int8 (8 rows x 8 lanes per pass) keeps
+// its totals in memory and has the compiler spill its 8 rows' sums and row pointers
+// (perf annotate). The float epilogue per sub-block is block_int8's, operation for
+// operation, and the integer sums start at the zero point as tile_int8's do, so every
+// path gives bit-identical results.
+#if defined(PAGEDINFER_KQUANT_INT8)
+using pagedinfer::quant::kTileRows;
+
+// The K-quant GEMMs' frame: x prepared into tiles (codes paired as the records pair them),
+// run_tiles over the packed blocks; tile(out, nb, tile, weights, valid rows, first
+// feature, lead, super-blocks, bytes per block) stores one tile's product.
+template <class F, typename TileFn>
+torch::Tensor run_kquant_tiles(const torch::Tensor& x, const uint8_t* packed, int64_t blocks,
+                               int64_t out_features, const TileFn& tile) {
+  constexpr bool kSums16 = F::kSub == 16;
+  const int64_t num_super = x.size(1) / F::kSuper, run_bytes = num_super * Layout<F>::kBytes;
+  const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<true, kSums16, F::kZero>(x);
+  const int64_t tile_bytes = x.size(1) / kGroup * pagedinfer::quant::tile_record_bytes(kSums16);
+  return pagedinfer::quant::run_tiles(
+      x, tiled.get(), tile_bytes, packed, blocks, run_bytes, out_features,
+      [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0, bool lead) {
+        tile(o, nb, xt, w, valid, n0, lead, num_super, run_bytes);
+      });
+}
+#endif
+
+// Only with vpdpbusd: without it (vpmaddubsw + vpmaddwd per word, no room for 16-bit
+// partial sums beside 6 rows' totals) the tiles measured slower than block_int8 (Q4_K 339
+// against 368 GOP/s at 512 rows, 296 against 364 at 16; Q6_K 300 against 324).
+#if defined(PAGEDINFER_YMM_VNNI)
+// s + the products of 4 code bytes per lane with the activation bytes of xd.
+inline __m256i dot8(__m256i s, __m256i codes, int32_t xd) { return dpbusd8(s, codes, _mm256_set1_epi32(xd)); }
+
+// lanes[r][8 h .. 8 h + 7] = row r of the tile (records `xt`) times features 8h..8h+7 of
+// the block whose records start at w. (Both halves in one walk, each broadcast serving
+// two vpdpbusd, measured slower: Q4_K 555-583 against 575-605 GOP/s at 512 rows, Q6_K
+// 377-379 against 437-492, its 12 sums leaving the totals to memory.)
+template <class F>
+void tile_half_ymm(const uint8_t* xt, int64_t num_super, const uint8_t* w, int h, bool fetch,
+                   float (*lanes)[kLanes]) {
+  using L = Layout<F>;
+  constexpr int R = kTileRows;
+  constexpr int64_t kRecord = pagedinfer::quant::tile_record_bytes(F::kSub == 16);
+  constexpr int64_t kWords = F::kSub / 8;
+  const int64_t lane = 32 * h;  // this half's bytes in a 64-byte code vector
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < num_super; ++sb) {
+    const uint8_t* rec = w + sb * L::kBytes;
+    if (fetch) pagedinfer::quant::prefetch_ahead(rec, L::kBytes);
+    for (int64_t sub = 0; sub < L::kNumSub; ++sub) {
+      const int64_t first = sb * F::kSuper + sub * F::kSub;
+      const uint8_t* x = xt + first / kGroup * kRecord;
+      const float* xscale = reinterpret_cast<const float*>(x + R * kGroup);
+      const float* xsum = xscale + R;
+      const int32_t* zero = reinterpret_cast<const int32_t*>(xsum + R);
+      __m256i s[R];
+      for (int r = 0; r < R; ++r) {
+        const int32_t z = F::kSub == 16 ? zero[R + 2 * r + (first % kGroup) / 16] : zero[r];
+        s[r] = F::kZero ? _mm256_set1_epi32(z) : _mm256_setzero_si256();
+      }
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < kWords; ++m) {
+        __m256i ev, od;
+        codes_of_word<F>(rec, lane, sub * kWords + m, ev, od);
+        const int64_t at = (first % kGroup) + 8 * m;
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xd = reinterpret_cast<const int32_t*>(x + r * kGroup + at);
+          s[r] = dot8(dot8(s[r], ev, xd[0]), od, xd[1]);
+        }
+      }
+      __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L::kD + 16 * h)));
+      if constexpr (F::kSubScales)
+        scale = _mm256_mul_ps(scale, scales8<F::kSignedScales>(rec + L::kSc + sub * 16 + 8 * h));
+      __m256 min = _mm256_setzero_ps();
+      if constexpr (F::kMins)
+        min = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L::kDmin + 16 * h))),
+                            scales8<false>(rec + L::kMn + sub * 16 + 8 * h));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(scale, _mm256_set1_ps(xscale[r])), acc[r]);
+        if constexpr (F::kMins) acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(xsum[r]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(lanes[r] + 8 * h, acc[r]);
+}
+
+template <class F>
+torch::Tensor run_gemm_ymm(const torch::Tensor& x, const uint8_t* packed, int64_t blocks,
+                           int64_t out_features) {
+  return run_kquant_tiles<F>(
+      x, packed, blocks, out_features,
+      [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0, bool lead,
+          int64_t num_super, int64_t run_bytes) {
+        float lanes[kTileRows][kLanes];
+        for (int b = 0; b < nb; ++b) {
+          // The first half's pass asks for the weights ahead on the item's first tile (from
+          // DRAM, 6 rows: 326 -> 535-561 GOP/s).
+          tile_half_ymm<F>(xt, num_super, w + b * run_bytes, 0, lead, lanes);
+          tile_half_ymm<F>(xt, num_super, w + b * run_bytes, 1, false, lanes);
+          const int64_t first = n0 + b * kLanes, width = std::min(kLanes, out_features - first);
+          for (int r = 0; r < valid; ++r) pagedinfer::quant::store_lanes(o + r * out_features + first, lanes[r], width);
+        }
+      });
 }
 #endif
 
@@ -454,13 +599,10 @@ void tile_int8(const uint8_t* xt, int64_t num_super, const uint8_t* w, int64_t r
 template <class F>
 torch::Tensor run_gemm_int8(const torch::Tensor& x, const uint8_t* packed, int64_t blocks,
                             int64_t out_features) {
-  constexpr bool kSums16 = F::kSub == 16;
-  const int64_t num_super = x.size(1) / F::kSuper, run_bytes = num_super * Layout<F>::kBytes;
-  const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<true, kSums16, F::kZero>(x);
-  const int64_t tile_bytes = x.size(1) / kGroup * pagedinfer::quant::tile_record_bytes(kSums16);
-  return pagedinfer::quant::run_tiles(
-      x, tiled.get(), tile_bytes, packed, blocks, run_bytes, out_features,
-      [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0) {
+  return run_kquant_tiles<F>(
+      x, packed, blocks, out_features,
+      [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0, bool,
+          int64_t num_super, int64_t run_bytes) {
         if (nb == kTileBlocks) tile_int8<F, kTileBlocks>(xt, num_super, w, run_bytes, o, out_features, valid, n0);
         else tile_int8<F, 1>(xt, num_super, w, run_bytes, o, out_features, valid, n0);
       });
@@ -574,6 +716,10 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t o
 #if defined(PAGEDINFER_INT8_GEMM)
   if (int8 && x.size(0) >= kGemmMinRowsK) {
     return run_gemm_int8<F>(x, pp, packed.size(0), out_features);
+  }
+#elif defined(PAGEDINFER_YMM_VNNI)
+  if (int8 && x.size(0) >= pagedinfer::quant::kGemmMinRowsYmm) {
+    return run_gemm_ymm<F>(x, pp, packed.size(0), out_features);
   }
 #endif
   std::vector<float> scratch;

@@ -52,9 +52,20 @@ void widen(const T* x, int64_t n, float* xf) {
   for (; i < n; ++i) xf[i] = static_cast<float>(x[i]);
 }
 
+// The sum of a group's 32 values in _mm512_reduce_add_ps's order (gcc's: the 16-lane
+// halves, then 8, 4, lanes {0,2} and {1,3}, the pair), so that every tier's group sums,
+// and with them the K-quant mins' terms, are the same bits.
+inline float group_sum(const float* x) {
+  float v[16], t[8], u[4];
+  for (int i = 0; i < 16; ++i) v[i] = x[16 + i] + x[i];
+  for (int i = 0; i < 8; ++i) t[i] = v[8 + i] + v[i];
+  for (int i = 0; i < 4; ++i) u[i] = t[4 + i] + t[i];
+  return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
 // Per group of 32: the float sum; with xq, also int8 codes (scale = max |x| / 127, round
-// to nearest even) and their sum. The AVX-512 path sums the group as a fixed tree (the
-// scalar one in order); each row's results depend on that row alone, whatever the batch.
+// to nearest even) and their sum. Every path sums the group as the same fixed tree
+// (group_sum); each row's results depend on that row alone, whatever the batch.
 // Group g's codes go to xq + g * q_step and its sum, scale and code sum to element
 // g * s_step of theirs (a row-major layout by default; the int8 GEMM's tiles interleave rows).
 inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int8_t* xq,
@@ -78,12 +89,9 @@ inline void prepare_groups(const float* xf, int64_t num_groups, float* xsum, int
     xscale[g] = amax / 127.f;
     xqsum[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
 #else
-    float total = 0.f, amax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      total += x[j];
-      amax = std::max(amax, std::fabs(x[j]));
-    }
-    xsum[g] = total;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(x[j]));
+    xsum[g] = group_sum(x);
     if (xq == nullptr) continue;
     int8_t* q = xq + gi * q_step;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -189,7 +197,7 @@ torch::Tensor run_blocks(const torch::Tensor& x, int64_t blocks, int64_t out_fea
   return out;
 }
 
-// --- tiles for the int8 GEMMs (AVX512-VNNI, steps of kGemmMinRows rows and more) --------
+// --- tiles for the int8 GEMMs (AVX512-VNNI; the K-quants on AVX2 too) -------------------
 //
 // The activations of a many-row step are prepared straight into tiles of kTileRows rows, so
 // that a GEMM microkernel reaches every operand of a tile from one pointer: record (t, g)
@@ -212,10 +220,21 @@ constexpr int64_t kGemmMinRows = 16;  // below, the few-row kernels (docs/benchm
 // 860-890 GFLOP/s at 24-32 rows, Q6_K 860-870 against 730-770); in cache the GEMM wins from
 // ~10 rows (Q4_K 1,215 against 850 at 12). 32: DRAM's side of that, with a margin.
 constexpr int64_t kGemmMinRowsK = 32;
+// The AVX2 tier's K-quant GEMM (kquant_linear_cpu.cpp, tile_half_ymm) from this many rows:
+// from DRAM (a 75 MB matrix, AVX-VNNI) it beat the few-row kernel at 10-16 rows (Q4_K
+// 488-574 against 409-435 GOP/s, Q6_K 361-437 against 323-338), was level at 9 and behind
+// at 7-8, where a second tile of 6 is mostly padding.
+constexpr int64_t kGemmMinRowsYmm = 9;
 
 constexpr int64_t tile_record_bytes(bool sums16) { return kTileRows * (kGroup + 12 + (sums16 ? 8 : 0)); }
 
-#if defined(PAGEDINFER_INT8_GEMM)
+// The tiles and their work items serve the AVX2 tier's K-quant GEMM too (ymm, AVX-VNNI:
+// kquant_linear_cpu.cpp, tile_half_ymm).
+#if defined(__AVX2__) && defined(__F16C__)
+#define PAGEDINFER_INT8_TILES 1
+#endif
+
+#if defined(PAGEDINFER_INT8_TILES)
 
 template <bool Paired, bool Sums16, int Zero>
 std::unique_ptr<uint8_t[]> prepare_tiles(const torch::Tensor& x) {
@@ -267,8 +286,9 @@ std::unique_ptr<uint8_t[]> prepare_tiles(const torch::Tensor& x) {
 // out [rows, out_features] in x's dtype from the tiles (`tile_bytes` apart) and the packed
 // weights (`run_bytes` per block of 16 features). Work items are (up to kTileBlocks feature
 // blocks, 8 tiles), block-major, so a thread's items share their weights and walk the tiles
-// in order; tile_fn(out, nb, tile, weights, valid rows, first feature) stores one tile's
-// product with nb blocks (out: the tile's first row).
+// in order; tile_fn(out, nb, tile, weights, valid rows, first feature, lead) stores one
+// tile's product with nb blocks (out: the tile's first row); `lead`: the item's first tile,
+// the one that brings its weights in (from DRAM, where a real model's are).
 template <typename TileFn>
 torch::Tensor run_tiles(const torch::Tensor& x, const uint8_t* tiled, int64_t tile_bytes,
                         const uint8_t* packed, int64_t blocks, int64_t run_bytes,
@@ -289,7 +309,7 @@ torch::Tensor run_tiles(const torch::Tensor& x, const uint8_t* tiled, int64_t ti
         for (int64_t t = c * kChunk; t < std::min(tiles, (c + 1) * kChunk); ++t) {
           const int valid = static_cast<int>(std::min<int64_t>(kTileRows, rows - t * kTileRows));
           tile_fn(outp + t * kTileRows * out_features, nb, tiled + t * tile_bytes,
-                  packed + b0 * run_bytes, valid, b0 * kLanes);
+                  packed + b0 * run_bytes, valid, b0 * kLanes, t == c * kChunk);
         }
       }
     });
@@ -297,6 +317,9 @@ torch::Tensor run_tiles(const torch::Tensor& x, const uint8_t* tiled, int64_t ti
   return out;
 }
 
+#endif
+
+#if defined(PAGEDINFER_INT8_GEMM)
 // out[r * out_features + n0 + 16 nb + i] = acc[r][nb] lane i, for the tile's `rows` valid
 // rows and the features below out_features.
 template <int NB, typename Out>

@@ -407,7 +407,7 @@ torch::Tensor run_gemm_int8(const torch::Tensor& x, const uint8_t* packed, int64
   const std::unique_ptr<uint8_t[]> tiled = pagedinfer::quant::prepare_tiles<false, false, F == Format::kQ8 ? 128 : 0>(x);
   return pagedinfer::quant::run_tiles(
       x, tiled.get(), G * kTileRecordBytes, packed, blocks, run_bytes, out_features,
-      [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0) {
+      [&](auto* o, int nb, const uint8_t* xt, const uint8_t* w, int valid, int64_t n0, bool) {
         if (nb == kTileBlocks) tile_int8<F, kTileBlocks>(G, xt, w, run_bytes, o, out_features, valid, n0);
         else tile_int8<F, 1>(G, xt, w, run_bytes, o, out_features, valid, n0);
       });
