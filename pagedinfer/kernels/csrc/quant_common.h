@@ -260,11 +260,16 @@ std::unique_ptr<uint8_t[]> prepare_tiles(const torch::Tensor& x) {
               int8_t* q = reinterpret_cast<int8_t*>(tile + g * kRecord + r * kGroup);
               code_sum[g * (kRecord / 4) + r] *= -Zero;
               if constexpr (Sums16) {
+                // Each 16 codes' sum: psadbw of the codes + 128 (unsigned) against zero, less
+                // 16 x 128 (a scalar loop here was ~20% of a Q6_K product at 512 rows).
                 int32_t* halves = code_sum + kTileRows + g * (kRecord / 4) + 2 * r;
-                halves[0] = halves[1] = 0;
-                for (int j = 0; j < kGroup; ++j) halves[j / 16] += q[j];
-                halves[0] *= -Zero;
-                halves[1] *= -Zero;
+                const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+                for (int h = 0; h < 2; ++h) {
+                  const __m128i u = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)), flip);
+                  const __m128i sad = _mm_sad_epu8(u, _mm_setzero_si128());
+                  const int32_t sum = _mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 16 * 128;
+                  halves[h] = -Zero * sum;
+                }
               }
               if constexpr (Paired) {
                 // Per 8 codes: 0 2 4 6 1 3 5 7 (one byte shuffle per 16).
