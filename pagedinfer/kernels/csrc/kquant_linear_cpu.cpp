@@ -374,17 +374,8 @@ void block_int8(const Activations& a, const PairedActivations& p, int64_t r0, co
 }
 #endif
 
-// --- many rows on the AVX2 tier: the tiles of tile_int8 below, one half block at a time --
-//
-// The activations in tiles of kTileRows rows (quant_common.h, prepare_tiles: one pointer
-// reaches every row's codes, scales and sums); a tile's rows times one half (8 features)
-// of a block over all of K, the float totals in kTileRows ymm registers, each word's codes
-// unpacked once for all of the tile's rows. block_int8 (8 rows x 8 lanes per pass) keeps
-// its totals in memory and has the compiler spill its 8 rows' sums and row pointers
-// (perf annotate). The float epilogue per sub-block is block_int8's, operation for
-// operation, and the integer sums start at the zero point as tile_int8's do, so every
-// path gives bit-identical results.
-#if defined(PAGEDINFER_KQUANT_INT8)
+// --- many rows: the GEMMs' frame (the AVX2 tier's tile_half_ymm, AVX-512's tile_int8) ----
+#if defined(PAGEDINFER_INT8_TILES)
 using pagedinfer::quant::kTileRows;
 
 // The K-quant GEMMs' frame: x prepared into tiles (codes paired as the records pair them),
@@ -405,13 +396,20 @@ torch::Tensor run_kquant_tiles(const torch::Tensor& x, const uint8_t* packed, in
 }
 #endif
 
+// --- many rows on the AVX2 tier: the tiles of tile_int8 below, one half block at a time --
+//
+// The activations in tiles of kTileRows rows (quant_common.h, prepare_tiles: one pointer
+// reaches every row's codes, scales and sums); a tile's rows times one half (8 features)
+// of a block over all of K, the float totals in kTileRows ymm registers, each word's codes
+// unpacked once for all of the tile's rows. block_int8 (8 rows x 8 lanes per pass) keeps
+// its totals in memory and has the compiler spill its 8 rows' sums and row pointers
+// (perf annotate). The float epilogue per sub-block is block_int8's, operation for
+// operation, and the integer sums start at the zero point as tile_int8's do, so every
+// path gives bit-identical results.
 // Only with vpdpbusd: without it (vpmaddubsw + vpmaddwd per word, no room for 16-bit
 // partial sums beside 6 rows' totals) the tiles measured slower than block_int8 (Q4_K 339
 // against 368 GOP/s at 512 rows, 296 against 364 at 16; Q6_K 300 against 324).
 #if defined(PAGEDINFER_YMM_VNNI)
-// s + the products of 4 code bytes per lane with the activation bytes of xd.
-inline __m256i dot8(__m256i s, __m256i codes, int32_t xd) { return dpbusd8(s, codes, _mm256_set1_epi32(xd)); }
-
 // lanes[r][8 h .. 8 h + 7] = row r of the tile (records `xt`) times features 8h..8h+7 of
 // the block whose records start at w. (Both halves in one walk, each broadcast serving
 // two vpdpbusd, measured slower: Q4_K 555-583 against 575-605 GOP/s at 512 rows, Q6_K
@@ -447,7 +445,7 @@ void tile_half_ymm(const uint8_t* xt, int64_t num_super, const uint8_t* w, int h
         const int64_t at = (first % kGroup) + 8 * m;
         for (int r = 0; r < R; ++r) {
           const int32_t* xd = reinterpret_cast<const int32_t*>(x + r * kGroup + at);
-          s[r] = dot8(dot8(s[r], ev, xd[0]), od, xd[1]);
+          s[r] = dpbusd8(dpbusd8(s[r], ev, _mm256_set1_epi32(xd[0])), od, _mm256_set1_epi32(xd[1]));
         }
       }
       __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L::kD + 16 * h)));

@@ -99,10 +99,11 @@ struct Span {
 
 // Walks the span's positions kAheadBytes of rows ahead of the scores pass, block table and
 // all, and asks for their K rows (into L1: read next) and V rows (into L2: the weighted
-// sums read them after the scores pass, a span's V fits L2, so they ask for nothing). Without it each core waits on
-// one block's DRAM lines at a time: the blocks lie anywhere, and the hardware prefetchers
-// stop at each 4 KiB page. Measured (docs/benchmarks.md "Decode attention: all kv heads in
-// one walk, V asked for early"): 1.15-1.6x the GB/s from DRAM, most of it from V.
+// sums read them after the scores pass and ask for nothing themselves; a span's V fits
+// L2). Without it each core waits on one block's DRAM lines at a time: the blocks lie
+// anywhere, and the hardware prefetchers stop at each 4 KiB page. Measured
+// (docs/benchmarks.md "Decode attention: all kv heads in one walk, V asked for early"):
+// 1.15-1.6x the GB/s from DRAM, most of it from V.
 constexpr int64_t kAheadBytes = 6 << 10;
 
 template <typename scalar_t>
