@@ -10,20 +10,21 @@
 // head, adjacent in the cache, are read as one stretch; each kv head's group of query heads
 // (GQA) takes every K/V row it reads once for the whole group. When there are fewer
 // requests than kItemsPerThread per thread (small batches, long contexts), each context is
-// split into parts of >= kMinPart positions so every core has work; each
-// part leaves its running max, its sum of e^(s - max) and its unnormalised weighted sum of
-// V, and a second pass combines the parts (as flash-decoding does). Within an item, two
-// passes over its positions: scores = q.k (float32), e^(s - max) and their sum, then
-// acc = sum p * v. Blocks are walked in order (no division per token) and each K/V row is
-// widened to float32 in registers once for every head of the group: 16 lanes with AVX-512
-// (intrinsics), 8 lanes elsewhere (gcc vector types: AVX2 ymm, NEON pairs), plain loops
-// for other head sizes. A bfloat16 cache with AVX512-BF16 is not widened for the scores:
-// the (bf16) query meets each K row in vdpbf16ps and the scale goes on the scores; V is
-// widened 32 values at a time as its even and odd halves (scores_bf16, and the Halves
-// weighted sum). The blocks lie anywhere in the cache, so the scores pass asks for the K
-// rows a few KB ahead of it and for the V rows the weighted sums will read (Ahead): the
-// hardware prefetchers cannot guess the next block. Parts are capped at kMaxPartBytes of V
-// so that those V rows are still in L2 when the weighted sums come.
+// split into parts of >= kMinPart positions so every core has work (and no part is longer
+// than a share of all the positions: one long context among short ones); each part leaves
+// its running max, its sum of e^(s - max) and its unnormalised weighted sum of V, and a
+// second pass combines the parts (as flash-decoding does). Within an item, kChunk positions
+// at a time (online softmax): scores = q.k (float32), e^(s - running max) and their sum (the
+// sums so far rescaled when the max grows), then acc += sum p * v. Blocks are walked in
+// order (no division per token) and each K/V row is widened to float32 in registers once
+// for every head of the group: 16 lanes with AVX-512 (intrinsics), 8 lanes elsewhere (gcc
+// vector types: AVX2 ymm, NEON pairs), plain loops for other head sizes. A bfloat16 cache
+// with AVX512-BF16 is never widened: the (bf16) query meets each K row in vdpbf16ps
+// (scores_quads: four heads per vector, no per-head reductions; scores_bf16 for groups of 1
+// or 2), the scale goes on the scores, and the weights, in bf16, meet pairs of V rows in
+// vdpbf16ps (weighted_sum_pairs). The blocks lie anywhere in the cache, so the scores pass
+// asks for the K rows a few KB ahead of it and for the V rows the weighted sums will read
+// (Ahead): the hardware prefetchers cannot guess the next block.
 //
 // Two per-layer options (Mistral, Phi-3, Gemma 2/3):
 // - sliding_window w > 0: the query at p = seq_len - 1 sees only positions j with
@@ -82,8 +83,6 @@ constexpr int64_t kItemsPerThread = 4;  // below this many requests per thread, 
                                         // are split into parts
 constexpr int64_t kMinPart = 128;       // positions per part at least (the combine step
                                         // costs about one position's work per part)
-constexpr int64_t kMaxPartBytes = 256 << 10;  // V bytes per part at most: the scores pass
-                                              // asks for them into L2 (see Ahead)
 
 // The positions one work item (request, its kv heads) attends to: [first, first + count) of the
 // request's context, found through its block table. Scores are indexed from first, so the
@@ -99,8 +98,7 @@ struct Span {
 
 // Walks the span's positions kAheadBytes of rows ahead of the scores pass, block table and
 // all, and asks for their K rows (into L1: read next) and V rows (into L2: the weighted
-// sums read them after the scores pass and ask for nothing themselves; a span's V fits
-// L2). Without it each core waits on one block's DRAM lines at a time: the blocks lie
+// sums read them after the chunk's scores and ask for nothing themselves). Without it each core waits on one block's DRAM lines at a time: the blocks lie
 // anywhere, and the hardware prefetchers stop at each 4 KiB page. Measured
 // (docs/benchmarks.md "Decode attention: all kv heads in one walk, V asked for early"):
 // 1.15-1.6x the GB/s from DRAM, most of it from V.
@@ -149,13 +147,27 @@ void for_each_position(const scalar_t* cache, const Span& span, F row) {
   }
 }
 
+// Calls chunk(rows, t, n) for the span's positions in runs of n <= L consecutive ones within
+// a block (block_size need not be a multiple of L, and a window's first block is entered
+// mid-way): rows is position first + t's row of the cache pointer's kv head.
+template <int64_t L, typename scalar_t, typename F>
+void for_each_chunk(const scalar_t* cache, const Span& span, F chunk) {
+  const int64_t block_size = span.block_size;
+  int64_t b = span.first / block_size, first_off = span.first % block_size;
+  for (int64_t t = 0; t < span.count; ++b, first_off = 0)
+    for (int64_t off = first_off; off < block_size && t < span.count; off += L) {
+      const int64_t n = std::min<int64_t>({L, block_size - off, span.count - t});
+      chunk(cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * span.row_stride, t, n);
+      t += n;
+    }
+}
+
 // Scores and weighted sum for one (request, kv head) pair with a generic head_dim (plain
 // loops; gcc vectorises the inner products where it can).
 template <typename scalar_t>
 void scores_generic(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
-                    const scalar_t* value_cache, const Span& span, float* scores) {
+                    const Span& span, Ahead<scalar_t>& ahead, float* scores) {
   const int64_t count = span.count;
-  Ahead<scalar_t> ahead(key_cache, value_cache, span);
   for_each_position(key_cache, span, [&](int64_t t, const scalar_t* row) {
     ahead.step();
     for (int64_t hg = 0; hg < span.heads * group; ++hg) {
@@ -226,52 +238,37 @@ inline __m512 sum_rows16(const float* rows) {
 // once and used by every head of the group; the 16 partial-sum vectors of a chunk are
 // reduced together.
 template <int NV, typename scalar_t>
-void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache,
-                   const scalar_t* value_cache, const Span& span, float* partial, float* scores) {
+void scores_avx512(const float* q, int64_t group, const scalar_t* key_cache, const Span& span,
+                   Ahead<scalar_t>& ahead, float* partial, float* scores) {
   constexpr int64_t D = 16 * NV;
-  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
-  int64_t b = span.first / block_size, first_off = span.first % block_size;
-  Ahead<scalar_t> ahead(key_cache, value_cache, span);
-  for (int64_t t = 0; t < count; ++b, first_off = 0) {
-    const scalar_t* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
-    // Chunks of <= 16 positions within the block (block_size need not be 16, and the
-    // window's first block is entered at first_off).
-    for (int64_t off = first_off; off < block_size && t < count; off += 16) {
-      const int64_t n = std::min<int64_t>({16, block_size - off, count - t});
-      for (int64_t i = 0; i < n; ++i) {
-        ahead.step();
-        for (int64_t h = 0; h < span.heads; ++h) {
-          const scalar_t* k = kb + (off + i) * row_stride + h * span.head_stride;
-          __m512 kv[NV];
-          for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
-          const __m512 ks = _mm512_set1_ps(row_scale(k, D));
-          for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-            const float* qg = q + g * D;
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-            for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], s);
-            if constexpr (kQ8<scalar_t>) s = _mm512_mul_ps(s, ks);
-            _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
-          }
+  const int64_t count = span.count, row_stride = span.row_stride;
+  for_each_chunk<16>(key_cache, span, [&](const scalar_t* kb, int64_t t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      ahead.step();
+      for (int64_t h = 0; h < span.heads; ++h) {
+        const scalar_t* k = kb + i * row_stride + h * span.head_stride;
+        __m512 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+        const __m512 ks = _mm512_set1_ps(row_scale(k, D));
+        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+          const float* qg = q + g * D;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+          for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], s);
+          if constexpr (kQ8<scalar_t>) s = _mm512_mul_ps(s, ks);
+          _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
         }
       }
-      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-      for (int64_t g = 0; g < span.heads * group; ++g)
-        _mm512_mask_storeu_ps(scores + g * count + t, mask, sum_rows16(partial + g * 256));
-      t += n;
     }
-  }
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < span.heads * group; ++g)
+      _mm512_mask_storeu_ps(scores + g * count + t, mask, sum_rows16(partial + g * 256));
+  });
 }
 
-// Halves (a bfloat16 V with AVX512-BF16's score path): 32 values per load, widened as the 16
-// even and the 16 odd ones (a shift and a mask, where widening 16 at a time takes a shuffle
-// and a shift per 16), so the accumulators hold each 32 dimensions as [even 16][odd 16]
-// (`interleave_bf16_acc` puts them back in order).
-template <int NV, int G, bool Halves, typename scalar_t>
+template <int NV, int G, typename scalar_t>
 void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar_t* value_cache,
                                const Span& span, float* acc_out) {
-  static_assert(!Halves || std::is_same_v<scalar_t, c10::BFloat16>, "halves: bf16 only");
   const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   // Accumulators for the whole group live in registers (G * NV <= 24).
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
@@ -283,15 +280,7 @@ void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar
     for (int64_t i = 0; i < n; ++i) {
       const scalar_t* v = vb + i * row_stride;
       __m512 vv[NV];
-      if constexpr (Halves) {
-        for (int j = 0; j < NV / 2; ++j) {
-          const __m512i x = _mm512_loadu_si512(v + 32 * j);
-          vv[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-          vv[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-        }
-      } else {
-        for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
-      }
+      for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
       const float vs = row_scale(v, 16 * NV);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g * stride + t + i] * vs);
@@ -304,7 +293,7 @@ void weighted_sum_avx512_fixed(const float* scores, int64_t stride, const scalar
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc_out + g * 16 * NV + 16 * j, acc[g][j]);
 }
 
-template <int NV, bool Halves, typename scalar_t>
+template <int NV, typename scalar_t>
 void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
                          const scalar_t* value_cache, const Span& span, float* acc) {
   constexpr int64_t D = 16 * NV;
@@ -312,7 +301,7 @@ void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
     // head_dim 256: one head's 16 accumulators and its V row already fill the register
     // file, so each head takes its own sweep over V.
     for (int64_t g = 0; g < group; ++g)
-      weighted_sum_avx512_fixed<NV, 1, Halves>(scores + g * stride, stride, value_cache, span, acc + g * D);
+      weighted_sum_avx512_fixed<NV, 1>(scores + g * stride, stride, value_cache, span, acc + g * D);
   } else {
     // Up to 4 heads per sweep keep their accumulators in registers; larger groups take
     // several sweeps (each re-reads the chunk's V rows from L1).
@@ -321,10 +310,10 @@ void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
       const float* s = scores + g0 * stride;
       float* a = acc + g0 * D;
       switch (gn) {
-        case 1: weighted_sum_avx512_fixed<NV, 1, Halves>(s, stride, value_cache, span, a); break;
-        case 2: weighted_sum_avx512_fixed<NV, 2, Halves>(s, stride, value_cache, span, a); break;
-        case 3: weighted_sum_avx512_fixed<NV, 3, Halves>(s, stride, value_cache, span, a); break;
-        default: weighted_sum_avx512_fixed<NV, 4, Halves>(s, stride, value_cache, span, a); break;
+        case 1: weighted_sum_avx512_fixed<NV, 1>(s, stride, value_cache, span, a); break;
+        case 2: weighted_sum_avx512_fixed<NV, 2>(s, stride, value_cache, span, a); break;
+        case 3: weighted_sum_avx512_fixed<NV, 3>(s, stride, value_cache, span, a); break;
+        default: weighted_sum_avx512_fixed<NV, 4>(s, stride, value_cache, span, a); break;
       }
     }
   }
@@ -340,47 +329,218 @@ void weighted_sum_avx512(const float* scores, int64_t stride, int64_t group,
 constexpr bool kDotBf16 = true;
 
 template <int NV>
-void scores_bf16(const __m512bh* qb, int64_t group, const c10::BFloat16* key_cache,
-                 const c10::BFloat16* value_cache, const Span& span,
-                 float scale, float* partial, float* scores) {
+void scores_bf16(const __m512bh* qb, int64_t group, const c10::BFloat16* key_cache, const Span& span,
+                 Ahead<c10::BFloat16>& ahead, float scale, float* partial, float* scores) {
   constexpr int NP = NV / 2;  // zmm of 32 bf16 per row
-  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
+  const int64_t count = span.count, row_stride = span.row_stride;
   const __m512 sc = _mm512_set1_ps(scale);
-  int64_t b = span.first / block_size, first_off = span.first % block_size;
-  Ahead<c10::BFloat16> ahead(key_cache, value_cache, span);
-  for (int64_t t = 0; t < count; ++b, first_off = 0) {
-    const c10::BFloat16* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
-    for (int64_t off = first_off; off < block_size && t < count; off += 16) {
-      const int64_t n = std::min<int64_t>({16, block_size - off, count - t});
-      for (int64_t i = 0; i < n; ++i) {
-        ahead.step();
-        for (int64_t h = 0; h < span.heads; ++h) {
-          const c10::BFloat16* k = kb + (off + i) * row_stride + h * span.head_stride;
-          __m512bh kv[NP];
-          for (int j = 0; j < NP; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k + 32 * j);
-          for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g * NP], kv[0]);
-            for (int j = 1; j < NP; ++j) s = _mm512_dpbf16_ps(s, qb[g * NP + j], kv[j]);
-            _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
-          }
+  for_each_chunk<16>(key_cache, span, [&](const c10::BFloat16* kb, int64_t t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      ahead.step();
+      for (int64_t h = 0; h < span.heads; ++h) {
+        const c10::BFloat16* k = kb + i * row_stride + h * span.head_stride;
+        __m512bh kv[NP];
+        for (int j = 0; j < NP; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k + 32 * j);
+        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g * NP], kv[0]);
+          for (int j = 1; j < NP; ++j) s = _mm512_dpbf16_ps(s, qb[g * NP + j], kv[j]);
+          _mm512_storeu_ps(partial + (g * 16 + i) * 16, s);
         }
       }
-      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-      for (int64_t g = 0; g < span.heads * group; ++g)
-        _mm512_mask_storeu_ps(scores + g * count + t, mask, _mm512_mul_ps(sum_rows16(partial + g * 256), sc));
-      t += n;
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < span.heads * group; ++g)
+      _mm512_mask_storeu_ps(scores + g * count + t, mask, _mm512_mul_ps(sum_rows16(partial + g * 256), sc));
+  });
+}
+
+// Groups of 3+ query heads per kv head (the scores pass of scores_bf16 reduces 16 lanes per
+// head and position: a transpose-and-add of 16 vectors per head, stored and loaded again,
+// cost ~1.5x the dot products themselves). Here a vector holds four heads, one per 128-bit
+// lane: qv[k] = dimensions 8k..8k+7 of heads 0-3 (a missing head's lane is zero), and each
+// K row's 16-byte pieces are broadcast to the four lanes (a load, no shuffle), so the
+// vdpbf16ps of a row leaves four partial sums per head; four positions' vectors reduce to
+// one (6 shuffles, 3 adds) and four of those to a vector of 16 positions per head (8
+// shuffles): ~2 shuffles per position and head quad instead of ~30 per position and head.
+// The lanes of a group of 3 are a quarter idle; below 3 scores_bf16 keeps its reduction.
+constexpr int64_t kQuadMinGroup = 3;
+
+// lane l of the result: the sum of the four floats of 128-bit lane l of a[0..3]: a[m] lane l
+// -> element m of lane l.
+inline __m512 sum_lanes4(const __m512 a[4]) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  const __m512d x = _mm512_castps_pd(s01), y = _mm512_castps_pd(s23);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// The query heads of an item packed for scores_quads from their bf16 rows qb (NV / 2
+// vectors of 32 per head): for kv head h, quad u (heads 4u..4u+3 of its group), piece k:
+// qv[(h * quads + u) * 2 * NV + k].
+template <int NV>
+void pack_query_quads(const __m512bh* qb, int64_t heads, int64_t group, __m512i* qv) {
+  constexpr int KC = 2 * NV;  // 8-dimension (16-byte) pieces per head
+  const int64_t quads = (group + 3) / 4;
+  const char* rows = reinterpret_cast<const char*>(qb);
+  char* out = reinterpret_cast<char*>(qv);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t u = 0; u < quads; ++u)
+      for (int k = 0; k < KC; ++k)
+        for (int64_t l = 0; l < 4; ++l) {
+          char* dst = out + (((h * quads + u) * KC + k) * 4 + l) * 16;
+          if (4 * u + l < group) std::memcpy(dst, rows + ((h * group + 4 * u + l) * KC + k) * 16, 16);
+          else std::memset(dst, 0, 16);
+        }
+}
+
+// rq: [heads * quads][4] vectors of the chunk's sums (see below), from the caller: on the
+// stack for up to 16 kv heads' quads.
+template <int NV>
+void scores_quads(const __m512i* qv, int64_t group, const c10::BFloat16* key_cache, const Span& span,
+                  Ahead<c10::BFloat16>& ahead, float scale, float* scores, __m512* rq) {
+  constexpr int KC = 2 * NV;
+  const int64_t count = span.count, row_stride = span.row_stride;
+  const int64_t quads = (group + 3) / 4;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for_each_chunk<16>(key_cache, span, [&](const c10::BFloat16* kb, int64_t t, int64_t n) {
+    // Four positions at a time, every kv head of each (their rows are adjacent): rq[(h *
+    // quads + u) * 4 + Q] lane l = head 4u + l of kv head h at positions 4Q..4Q+3.
+    for (int64_t Q = 0; Q < 4; ++Q) {
+      if (4 * Q >= n) {
+        for (int64_t i = 0; i < span.heads * quads; ++i) rq[4 * i + Q] = _mm512_setzero_ps();
+        continue;
+      }
+      for (int64_t i = 4 * Q; i < std::min<int64_t>(4 * Q + 4, n); ++i) ahead.step();
+      // Quads outermost: with them inside, gcc hoists the rows' loads out of the quad loop
+      // and spills them.
+      for (int64_t u = 0; u < quads; ++u)
+        for (int64_t h = 0; h < span.heads; ++h) {
+          const c10::BFloat16* k = kb + h * span.head_stride;
+          const __m512i* qq = qv + (h * quads + u) * KC;
+          __m512 a[4], a2[4];
+          for (int m = 0; m < 4; ++m) {
+            // Positions past the chunk's end repeat its last row (their lanes are not stored).
+            const c10::BFloat16* row = k + std::min<int64_t>(4 * Q + m, n - 1) * row_stride;
+            a[m] = a2[m] = _mm512_setzero_ps();
+            for (int c = 0; c < KC; c += 2) {
+              const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * c)));
+              const __m512i y = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * c + 8)));
+              a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)x, (__m512bh)qq[c]);
+              a2[m] = _mm512_dpbf16_ps(a2[m], (__m512bh)y, (__m512bh)qq[c + 1]);
+            }
+            a[m] = _mm512_add_ps(a[m], a2[m]);
+          }
+          rq[(h * quads + u) * 4 + Q] = sum_lanes4(a);
+        }
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t h = 0; h < span.heads; ++h)
+      for (int64_t u = 0; u < quads; ++u) {
+        // 128-bit lane l of r[0..3] -> head 4u + l's 16 positions in order.
+        const __m512* r = rq + (h * quads + u) * 4;
+        const __m512 v0 = _mm512_shuffle_f32x4(r[0], r[1], 0x44), v1 = _mm512_shuffle_f32x4(r[0], r[1], 0xEE);
+        const __m512 v2 = _mm512_shuffle_f32x4(r[2], r[3], 0x44), v3 = _mm512_shuffle_f32x4(r[2], r[3], 0xEE);
+        const __m512 out[4] = {_mm512_shuffle_f32x4(v0, v2, 0x88), _mm512_shuffle_f32x4(v0, v2, 0xDD),
+                               _mm512_shuffle_f32x4(v1, v3, 0x88), _mm512_shuffle_f32x4(v1, v3, 0xDD)};
+        const int64_t live = std::min<int64_t>(4, group - 4 * u);
+        for (int64_t l = 0; l < live; ++l)
+          _mm512_mask_storeu_ps(scores + (h * group + 4 * u + l) * count + t, mask, _mm512_mul_ps(out[l], sc));
+      }
+  });
+}
+
+// The weights of a bfloat16 cache's weighted sums in bf16, as torch's own CPU flash
+// attention and Hugging Face's eager attention take them for a bf16 model (the product with
+// V in bf16, summed in float32): a head's row of n float weights becomes n bf16 ones in
+// place (the row's first half; position t's at index t), with a 0 after an odd n so that
+// positions pair up.
+inline void weights_to_bf16_inplace(float* s, int64_t n) {
+  auto* d = reinterpret_cast<uint16_t*>(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)  // writes bytes [2i, 2i + 32): below the next read at 4i + 64
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
+  for (; i < n; ++i) {
+    const c10::BFloat16 x(s[i]);
+    std::memcpy(d + i, &x, 2);
+  }
+  if (n % 2) d[n] = 0;
+}
+
+// V weighted sums with vdpbf16ps: two positions at a time, their V rows interleaved 16 bits
+// at a time (unpacklo/hi_epi16: dimension d of both rows in one 32-bit lane) meet the pair of
+// weights (w_t, w_t+1) broadcast, so one instruction adds 16 dimensions of both positions:
+// half the multiply-adds of widening V to float32, and no widening. The accumulators hold
+// each 32 dimensions as [lo 16][hi 16] (lo: 128-bit lane L's dimensions 8L..8L+3, hi:
+// 8L+4..8L+7; `interleave_pairs_acc` puts them in order). `pairs`: head g's weights for the
+// span's positions 2i, 2i + 1 at pairs[g * stride + i] (weights_to_bf16_inplace's rows,
+// stride in 32-bit words); the chunk starts at an even position of the span.
+template <int NV, int G>
+void weighted_sum_pairs_fixed(const uint32_t* pairs, int64_t stride, const c10::BFloat16* value_cache,
+                              const Span& span, float* acc_out) {
+  constexpr int NP = NV / 2;  // zmm of 32 bf16 per row
+  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_loadu_ps(acc_out + g * 16 * NV + 16 * j);
+  int64_t b = span.first / block_size, off = span.first % block_size;
+  auto row_at = [&]() {
+    return value_cache + static_cast<int64_t>(span.table[b]) * span.block_stride + off * row_stride;
+  };
+  for (int64_t t = 0; t < count; t += 2) {
+    const c10::BFloat16* v0 = row_at();
+    if (++off == block_size) off = 0, ++b;
+    // An odd count's last position pairs with itself under a zero weight.
+    const c10::BFloat16* v1 = v0;
+    if (t + 1 < count) {
+      v1 = row_at();
+      if (++off == block_size) off = 0, ++b;
+    }
+    __m512bh lo[NP], hi[NP];
+    for (int j = 0; j < NP; ++j) {
+      const __m512i x0 = _mm512_loadu_si512(v0 + 32 * j), x1 = _mm512_loadu_si512(v1 + 32 * j);
+      lo[j] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+      hi[j] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pairs[g * stride + t / 2]));
+      for (int j = 0; j < NP; ++j) {
+        acc[g][2 * j] = _mm512_dpbf16_ps(acc[g][2 * j], lo[j], w);
+        acc[g][2 * j + 1] = _mm512_dpbf16_ps(acc[g][2 * j + 1], hi[j], w);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc_out + g * 16 * NV + 16 * j, acc[g][j]);
+}
+
+template <int NV>
+void weighted_sum_pairs(const uint32_t* pairs, int64_t stride, int64_t group,
+                        const c10::BFloat16* value_cache, const Span& span, float* acc) {
+  constexpr int64_t D = 16 * NV;
+  // Heads per sweep: their accumulators (G x NV vectors) and the pair's 2 x NV / 2 rows in
+  // the 32 registers.
+  constexpr int64_t kMaxG = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxG) {
+    const int64_t gn = std::min<int64_t>(kMaxG, group - g0);
+    const uint32_t* p = pairs + g0 * stride;
+    float* a = acc + g0 * D;
+    switch (gn) {
+      case 1: weighted_sum_pairs_fixed<NV, 1>(p, stride, value_cache, span, a); break;
+      case 2: if constexpr (kMaxG >= 2) weighted_sum_pairs_fixed<NV, 2>(p, stride, value_cache, span, a); break;
+      case 3: if constexpr (kMaxG >= 3) weighted_sum_pairs_fixed<NV, 3>(p, stride, value_cache, span, a); break;
+      default: if constexpr (kMaxG >= 4) weighted_sum_pairs_fixed<NV, 4>(p, stride, value_cache, span, a); break;
     }
   }
 }
 
-// [even 16][odd 16] per 32 dimensions -> the dimensions in order, for `rows` rows of D.
-inline void interleave_bf16_acc(float* acc, int64_t rows, int64_t D) {
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+// [lo 16][hi 16] per 32 dimensions (weighted_sum_pairs) -> the dimensions in order.
+inline void interleave_pairs_acc(float* acc, int64_t rows, int64_t D) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t at = 0; at < rows * D; at += 32) {
-    const __m512 even = _mm512_loadu_ps(acc + at), odd = _mm512_loadu_ps(acc + at + 16);
-    _mm512_storeu_ps(acc + at, _mm512_permutex2var_ps(even, lo, odd));
-    _mm512_storeu_ps(acc + at + 16, _mm512_permutex2var_ps(even, hi, odd));
+    const __m512 lo = _mm512_loadu_ps(acc + at), hi = _mm512_loadu_ps(acc + at + 16);
+    _mm512_storeu_ps(acc + at, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(acc + at + 16, _mm512_permutex2var_ps(lo, second, hi));
   }
 }
 #else
@@ -448,48 +608,41 @@ inline void sum_rows8(const float* rows, float* out) {
 // head_dim = 8 * NV. Each K row is widened once and used by every head of the group; the 8
 // partial-sum vectors of a chunk of positions are reduced together.
 template <int NV, typename scalar_t>
-void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache,
-                 const scalar_t* value_cache, const Span& span, float* partial, float* scores) {
+void scores_vec8(const float* q, int64_t group, const scalar_t* key_cache, const Span& span,
+                 Ahead<scalar_t>& ahead, float* partial, float* scores) {
   constexpr int64_t D = 8 * NV;
-  const int64_t count = span.count, block_size = span.block_size, row_stride = span.row_stride;
-  int64_t b = span.first / block_size, first_off = span.first % block_size;
-  Ahead<scalar_t> ahead(key_cache, value_cache, span);
+  const int64_t count = span.count, row_stride = span.row_stride;
   float sums[8];
-  for (int64_t t = 0; t < count; ++b, first_off = 0) {
-    const scalar_t* kb = key_cache + static_cast<int64_t>(span.table[b]) * span.block_stride;
-    for (int64_t off = first_off; off < block_size && t < count; off += 8) {
-      const int64_t n = std::min<int64_t>({8, block_size - off, count - t});
-      for (int64_t i = 0; i < n; ++i) {
-        ahead.step();
-        for (int64_t h = 0; h < span.heads; ++h) {
-          const scalar_t* k = kb + (off + i) * row_stride + h * span.head_stride;
-          V8 kv[NV];
-          for (int j = 0; j < NV; ++j) kv[j] = load8(k + 8 * j);
-          const float ks = row_scale(k, D);
-          for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-            const float* qg = q + g * D;
-            V8 s0 = load8(qg) * kv[0], s1{};
-            for (int j = 1; j < NV; ++j) {
-              if (j & 1) s1 += load8(qg + 8 * j) * kv[j];
-              else s0 += load8(qg + 8 * j) * kv[j];
-            }
-            V8 s = s0 + s1;
-            if constexpr (kQ8<scalar_t>) s *= ks;
-            std::memcpy(partial + (g * 8 + i) * 8, &s, sizeof s);
+  for_each_chunk<8>(key_cache, span, [&](const scalar_t* kb, int64_t t, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      ahead.step();
+      for (int64_t h = 0; h < span.heads; ++h) {
+        const scalar_t* k = kb + i * row_stride + h * span.head_stride;
+        V8 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = load8(k + 8 * j);
+        const float ks = row_scale(k, D);
+        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+          const float* qg = q + g * D;
+          V8 s0 = load8(qg) * kv[0], s1{};
+          for (int j = 1; j < NV; ++j) {
+            if (j & 1) s1 += load8(qg + 8 * j) * kv[j];
+            else s0 += load8(qg + 8 * j) * kv[j];
           }
+          V8 s = s0 + s1;
+          if constexpr (kQ8<scalar_t>) s *= ks;
+          std::memcpy(partial + (g * 8 + i) * 8, &s, sizeof s);
         }
       }
-      for (int64_t g = 0; g < span.heads * group; ++g) {
-        if (n == 8) {  // sum straight into place (a variable-length copy is a slow rep movs)
-          sum_rows8(partial + g * 64, scores + g * count + t);
-        } else {
-          sum_rows8(partial + g * 64, sums);
-          std::memcpy(scores + g * count + t, sums, n * sizeof(float));
-        }
-      }
-      t += n;
     }
-  }
+    for (int64_t g = 0; g < span.heads * group; ++g) {
+      if (n == 8) {  // sum straight into place (a variable-length copy is a slow rep movs)
+        sum_rows8(partial + g * 64, scores + g * count + t);
+      } else {
+        sum_rows8(partial + g * 64, sums);
+        std::memcpy(scores + g * count + t, sums, n * sizeof(float));
+      }
+    }
+  });
 }
 
 // acc[g] = sum over the span of p[g, t] * v_t. float32 caches: head by head, 8 vectors of
@@ -587,91 +740,144 @@ inline bool dot_bf16(int64_t head_dim) {
          (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
-// One work item: scores, soft cap, the tile's masks, e^(s - max) with its max and sum per
-// head row (m, l), and the unnormalised weighted sum into acc [span.heads * group,
-// head_dim]. `group` counts the query heads of one kv head times the tile's rows (row-major:
-// row r's heads are r * heads_per_row ...); the span's kv heads follow one another (kv head
-// h's head rows start at h * group). NV = head_dim / lanes takes the vector loops (16 lanes with
-// AVX-512, else 8), NV = 0 the generic ones. score_scale: what the vdpbf16ps path
-// (`dot_bf16`) multiplies its scores by; the other paths get a scaled query.
+// One work item: the unnormalised weighted sum of V into acc [span.heads * group, head_dim]
+// with, per head row, the max of its scores (m) and the sum of e^(s - m) (l). `group` counts
+// the query heads of one kv head times the tile's rows (row-major: row r's heads are r *
+// heads_per_row ...); the span's kv heads follow one another (kv head h's head rows start at
+// h * group). NV = head_dim / lanes takes the vector loops (16 lanes with AVX-512, else 8),
+// NV = 0 the generic ones. score_scale: what the vdpbf16ps path (`dot_bf16`) multiplies its
+// scores by; the other paths get a scaled query.
+//
+// The span is taken kChunk positions at a time (online softmax, as flash-decoding does within
+// a part): the chunk's scores, soft cap and the tile's masks, e^(s - m) against the running
+// max (the sums so far rescaled when it grows), then the chunk's weighted sums. K and V of a
+// chunk are read close together, so the reads Ahead asks for ahead of the scores keep
+// coming while the weighted sums run: with the whole span's scores first, then its weighted
+// sums (reading V from L2), the memory was idle for the second half of each item and the
+// kernel ran at about the harmonic mean of its in-cache speed and the DRAM bandwidth
+// (docs/benchmarks.md "Decode attention: one pass over K and V").
+constexpr int64_t kChunk = 128;
+
 template <int NV, typename scalar_t>
 void attend(const float* q, int64_t group, int64_t head_dim, const scalar_t* key_cache,
             const scalar_t* value_cache, const Span& span, float soft_cap, const RowLimits& limits,
             float score_scale, float* partial, float* scores, float* acc, float* m, float* l) {
   constexpr bool kDot = kDotBf16 && NV > 0 && std::is_same_v<scalar_t, c10::BFloat16>;
+  const int64_t rows = span.heads * group;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  // The query rows in bf16 (exact: they were bf16), and for scores_quads packed by four
+  // heads; on the stack up to 256 vectors each (32 heads of 256, or 8 kv heads' quads of
+  // 128).
+  constexpr int NP = NV / 2;
+  const bool quads = group >= kQuadMinGroup;
+  const int64_t packed = quads ? span.heads * ((group + 3) / 4) * 2 * NV : 0;
+  __m512bh stack[kDot ? 32 * 8 : 1];
+  __m512i stack_qv[kDot ? 32 * 8 : 1];
+  __m512 stack_rq[kDot ? 16 * 4 : 1];
+  std::vector<__m512bh> heap;
+  std::vector<__m512i> heap_qv;
+  std::vector<__m512> heap_rq;
+  __m512bh* qb = stack;
+  __m512i* qv = stack_qv;
+  __m512* rq = stack_rq;
   if constexpr (kDot) {
-    constexpr int NP = NV / 2;
-    // The query rows in bf16 (exact: they were bf16); on the stack up to 32 heads of 256.
-    const int64_t rows = span.heads * group;
-    __m512bh stack[32 * 8];
-    std::vector<__m512bh> heap;
-    __m512bh* qb = stack;
     if (rows * NP > 32 * 8) heap.resize(rows * NP), qb = heap.data();
+    if (packed > 32 * 8) heap_qv.resize(packed), qv = heap_qv.data();
+    if (packed / (2 * NV) > 16) heap_rq.resize(packed / (2 * NV) * 4), rq = heap_rq.data();
     for (int64_t g = 0; g < rows; ++g)
       for (int j = 0; j < NP; ++j) {
         const float* qg = q + g * head_dim + 32 * j;
         qb[g * NP + j] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
       }
-    scores_bf16<NV>(qb, group, key_cache, value_cache, span, score_scale, partial, scores);
-  } else
-#endif
-#if defined(__AVX512F__)
-  if constexpr (NV > 0)
-    scores_avx512<NV>(q, group, key_cache, value_cache, span, partial, scores);
-  else
-#else
-  if constexpr (NV > 0)
-    scores_vec8<NV>(q, group, key_cache, value_cache, span, partial, scores);
-  else
-#endif
-    scores_generic(q, group, head_dim, key_cache, value_cache, span, scores);
-  const int64_t count = span.count, rows = span.heads * group;
-  // The heads' score rows are contiguous: one pass caps them all.
-  if (soft_cap > 0.f) soft_cap_inplace(scores, rows * count, soft_cap);
-  const int64_t per_row = limits.lo == nullptr ? group : group / limits.rows;
-  constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  for (int64_t g = 0; g < rows; ++g) {
-    float* s = scores + g * count;
-    if (limits.lo != nullptr) {
-      const int64_t r = g % group / per_row, lo = limits.lo[r], hi = limits.hi[r];
-      if (hi <= lo) {  // this row sees none of the span (a part before its window or after it)
-        std::fill(s, s + count, 0.f);
-        m[g] = kMasked, l[g] = 0.f;
-        continue;
-      }
-      std::fill(s, s + lo, kMasked);
-      std::fill(s + hi, s + count, kMasked);
-    }
-    l[g] = pagedinfer::exp_shifted_inplace(s, count, m + g);
+    if (quads) pack_query_quads<NV>(qb, span.heads, group, qv);
   }
-  // The weighted sums sweep V once per kv head and few query heads: a long span's V rows
-  // would stream from L3 or DRAM once per sweep, so they take it kVChunk positions at a
-  // time, which stay in L1 while every head takes its turn (and the chunk's rows of all the
-  // item's kv heads, adjacent in the cache, are read as one stretch).
+#endif
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
   std::fill(acc, acc + rows * head_dim, 0.f);
-  for (int64_t c0 = 0; c0 < count; c0 += kVChunk) {
+  std::fill(m, m + rows, kMasked);
+  std::fill(l, l + rows, 0.f);
+  const int64_t per_row = limits.lo == nullptr ? group : group / limits.rows;
+  Ahead<scalar_t> ahead(key_cache, value_cache, span);
+  for (int64_t c0 = 0; c0 < span.count; c0 += kChunk) {
     Span chunk = span;
     chunk.first += c0;
-    chunk.count = std::min(kVChunk, count - c0);
-    for (int64_t h = 0; h < span.heads; ++h) {
-      const float* sh = scores + h * group * count + c0;
-      const scalar_t* vh = value_cache + h * span.head_stride;
-      float* ah = acc + h * group * head_dim;
-#if defined(__AVX512F__)
-      if constexpr (NV > 0)
-        weighted_sum_avx512<NV, kDot>(sh, count, group, vh, chunk, ah);
-      else
-#else
-      if constexpr (NV > 0)
-        weighted_sum_vec8<NV>(sh, count, group, vh, chunk, ah);
-      else
+    const int64_t count = chunk.count = std::min(kChunk, span.count - c0);
+    // Scores [rows, count] of the chunk.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (kDot) {
+      if (quads) scores_quads<NV>(qv, group, key_cache, chunk, ahead, score_scale, scores, rq);
+      else scores_bf16<NV>(qb, group, key_cache, chunk, ahead, score_scale, partial, scores);
+    } else
 #endif
-        weighted_sum_generic(sh, count, group, head_dim, vh, chunk, ah);
+#if defined(__AVX512F__)
+    if constexpr (NV > 0)
+      scores_avx512<NV>(q, group, key_cache, chunk, ahead, partial, scores);
+    else
+#else
+    if constexpr (NV > 0)
+      scores_vec8<NV>(q, group, key_cache, chunk, ahead, partial, scores);
+    else
+#endif
+      scores_generic(q, group, head_dim, key_cache, chunk, ahead, scores);
+    // The heads' score rows are contiguous: one pass caps them all.
+    if (soft_cap > 0.f) soft_cap_inplace(scores, rows * count, soft_cap);
+    for (int64_t g = 0; g < rows; ++g) {
+      float* s = scores + g * count;
+      if (limits.lo != nullptr) {
+        const int64_t r = g % group / per_row;
+        const int64_t lo = std::clamp<int64_t>(limits.lo[r] - c0, 0, count);
+        const int64_t hi = std::clamp<int64_t>(limits.hi[r] - c0, 0, count);
+        if (hi <= lo) {  // this row sees none of the chunk (before its window or after it)
+          std::fill(s, s + count, 0.f);
+          continue;
+        }
+        std::fill(s, s + lo, kMasked);
+        std::fill(s + hi, s + count, kMasked);
+      }
+      const float before = m[g];
+      const float sum = pagedinfer::exp_shifted_inplace(s, count, m + g);
+      if (m[g] > before && l[g] > 0.f) {  // the max grew: rescale what the row has so far
+        const float shrink = std::exp(before - m[g]);
+        l[g] *= shrink;
+        float* a = acc + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] *= shrink;
+      }
+      l[g] += sum;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (kDot) weights_to_bf16_inplace(s, count);
+#endif
+    }
+    // The weighted sums sweep V once per kv head and few query heads, kVChunk positions at
+    // a time, which stay in L1 while every head takes its turn.
+    for (int64_t v0 = 0; v0 < count; v0 += kVChunk) {
+      Span piece = chunk;
+      piece.first += v0;
+      piece.count = std::min(kVChunk, count - v0);
+      for (int64_t h = 0; h < span.heads; ++h) {
+        const float* sh = scores + h * group * count + v0;
+        const scalar_t* vh = value_cache + h * span.head_stride;
+        float* ah = acc + h * group * head_dim;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if constexpr (kDot)
+          weighted_sum_pairs<NV>(reinterpret_cast<const uint32_t*>(scores + h * group * count) + v0 / 2, count,
+                                 group, vh, piece, ah);
+        else
+#endif
+#if defined(__AVX512F__)
+        if constexpr (NV > 0)
+          weighted_sum_avx512<NV>(sh, count, group, vh, piece, ah);
+        else
+#else
+        if constexpr (NV > 0)
+          weighted_sum_vec8<NV>(sh, count, group, vh, piece, ah);
+        else
+#endif
+          weighted_sum_generic(sh, count, group, head_dim, vh, piece, ah);
+      }
     }
   }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if constexpr (kDot) interleave_bf16_acc(acc, rows, head_dim);
+  if constexpr (kDot) interleave_pairs_acc(acc, rows, head_dim);
 #endif
 }
 
@@ -733,7 +939,7 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
   const int64_t block_stride = block_size * row_stride;  // next block
   // The tiles, with the positions each sees: [first, first + count).
   std::vector<Tile> tiles;
-  int64_t longest = 1, max_rows = 1;
+  int64_t longest = 1, max_rows = 1, total = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q0 = q_start[r], q_len = q_end[r] - q0;
     const int64_t start_pos = seq_lens[r] - q_len;  // position of the request's first row
@@ -743,20 +949,25 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos0 - sliding_window + 1) : 0;
       tiles.push_back({r, q0 + i, rows, pos0, first, pos0 + rows - first});
       longest = std::max(longest, tiles.back().count);
+      total += tiles.back().count;
       max_rows = std::max(max_rows, rows);
     }
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t pairs = num_tiles * num_kv_heads;
   const int64_t wanted = kItemsPerThread * at::get_num_threads();
-  const int64_t position_bytes = num_kv_heads * row_dim * static_cast<int64_t>(sizeof(cache_t));
-  const int64_t max_part = std::max(kMinPart, kMaxPartBytes / position_bytes / 16 * 16);
+  // Parts: enough of them for every thread (few tiles: long contexts split), and none longer
+  // than 1 / wanted of all the positions, so that one long context among many short ones
+  // does not hold one thread after the others are done (the threads take contiguous ranges
+  // of items). (Parts were also capped at 256 KB of V so that the V rows the scores pass
+  // asked for stayed in L2 until the weighted sums; with a chunk's weighted sums right after
+  // its scores that cap cost 1.1x at 1B shapes, 200 x 300.)
   int64_t part_len = longest;
   if (num_tiles < wanted) {
     const int64_t parts = (wanted + num_tiles - 1) / num_tiles;
     part_len = std::max(kMinPart, ((longest + parts - 1) / parts + 15) / 16 * 16);
   }
-  part_len = std::min(part_len, max_part);
+  part_len = std::min(part_len, std::max(kMinPart, (total / wanted + 15) / 16 * 16));
   // Parts of tile i: part_start[i] .. part_start[i + 1] - 1 (global part ids).
   std::vector<int64_t> part_start(num_tiles + 1, 0), part_tile;
   for (int64_t i = 0; i < num_tiles; ++i) {
@@ -833,8 +1044,8 @@ void attention_kernel(const scalar_t* __restrict__ query, const cache_t* __restr
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * q_scale;
         }
       }
-      if (static_cast<int64_t>(scores.size()) < item_heads * n * span.count)
-        scores.resize(item_heads * n * span.count);
+      const int64_t score_floats = item_heads * n * std::min(kChunk, span.count);
+      if (static_cast<int64_t>(scores.size()) < score_floats) scores.resize(score_floats);
       attend_any(q.data(), n, head_dim, kc, vc, span, soft_cap, limits, score_scale, partial.data(),
                  scores.data(), acc.data(), m.data(), l.data());
       const int64_t t = part_tile[part];

@@ -123,10 +123,12 @@ inline F8v exp8_nonpositive(F8v x) {
 }
 #endif
 
-// In place: s = e^(s - max s) over n floats; returns the sum, the max in *max_out (the
-// pieces of a softmax that a split context combines later).
-inline float exp_shifted_inplace(float* s, int64_t n, float* max_out) {
-  float m = -std::numeric_limits<float>::infinity();
+// In place: s = e^(s - M) over n floats with M = the larger of *max_io and max s; returns
+// the sum and leaves M in *max_io (the pieces of a softmax that a split context, or a
+// context taken a chunk at a time, combines later). Start *max_io at -inf; n > 0 and some
+// s finite, or M stays -inf and the exponents are NaN.
+inline float exp_shifted_inplace(float* s, int64_t n, float* max_io) {
+  float m = *max_io;
   float sum = 0.f;
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -170,7 +172,7 @@ inline float exp_shifted_inplace(float* s, int64_t n, float* max_out) {
     s[i] = std::exp(s[i] - m);
     sum += s[i];
   }
-  *max_out = m;
+  *max_io = m;
   return sum;
 }
 
