@@ -15,9 +15,14 @@ decoding many requests at once appends). --huge-pages asks Linux for 2 MiB pages
 cache (madvise MADV_HUGEPAGE; the engine's cache takes what torch gives: 4 KiB pages where
 transparent huge pages are "madvise", see docs/benchmarks.md for why it stays so).
 
+--read-ceiling also times a plain read of the same blocks with the same threads (every
+8-byte word of each K and V block summed, no arithmetic of attention: `paged_read` below),
+alternated with the kernel: the ceiling of this access pattern, beside benchmarks/
+ceilings.py's read of one contiguous buffer.
+
     .venv/bin/python benchmarks/bench_decode_attention.py [--dtype float32] \
         [--kv-cache-dtype int8] [--cases 1x1000,1x4000,1x16000,8x1000,200x300] \
-        [--placement random] [--huge-pages] [--cache-mb 1024] [--out a.json]
+        [--placement random] [--huge-pages] [--cache-mb 1024] [--read-ceiling] [--out a.json]
 """
 
 from __future__ import annotations
@@ -49,10 +54,59 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return tensor.zero_()
 
 
+_READ_SOURCE = r"""
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+// Sums every 8-byte word of the first ctx positions of each request's K and V blocks
+// (block ids from table [reqs, blocks]), the blocks shared out over the threads.
+int64_t paged_read(torch::Tensor kc, torch::Tensor vc, torch::Tensor table, int64_t ctx) {
+  const int64_t block_size = kc.size(1), nb = table.size(1), items = table.numel();
+  const int64_t block_bytes = kc.stride(0) * kc.element_size();
+  const int64_t row_bytes = kc.stride(1) * kc.element_size();
+  const int32_t* ids = table.data_ptr<int32_t>();
+  const char* k = static_cast<const char*>(kc.data_ptr());
+  const char* v = static_cast<const char*>(vc.data_ptr());
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t rows = std::min(block_size, ctx - i % nb * block_size);
+      const int64_t words = rows * row_bytes / 8;
+      const auto* pk = reinterpret_cast<const uint64_t*>(k + ids[i] * block_bytes);
+      const auto* pv = reinterpret_cast<const uint64_t*>(v + ids[i] * block_bytes);
+      for (int64_t w = 0; w + 8 <= words; w += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += pk[w + l] + pv[w + l];
+    }
+    uint64_t sum = 0;
+    for (uint64_t a : acc) sum += a;
+    total += sum;
+  });
+  return static_cast<int64_t>(total.load());
+}
+"""
+
+
+def read_probe():
+    """The compiled `paged_read` (torch's inline extension build, once per machine)."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name="bench_paged_read",
+        cpp_sources=_READ_SOURCE,
+        functions=["paged_read"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+    )
+
+
 def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
             dtype: torch.dtype, block_size: int = 16, min_s: float = 1.0,
             kv_int8: bool = False, placement: str = "random",
-            huge_pages: bool = False, cache_mb: int = 1024) -> dict:  # fmt: skip
+            huge_pages: bool = False, cache_mb: int = 1024, probe=None) -> dict:  # fmt: skip
     blocks_per_req = -(-ctx // block_size)
     fp32_block = block_size * kv_heads * head_dim * 4
     num_blocks = max(reqs * blocks_per_req, (cache_mb << 20) // fp32_block)
@@ -88,15 +142,35 @@ def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: i
     q = torch.randn(reqs, heads, head_dim, generator=g).to(dtype)
     lens = torch.full((reqs,), ctx, dtype=torch.int32)
     scale = head_dim**-0.5
-    for table in tables:
+
+    def attend(table: torch.Tensor) -> None:
         kernels.paged_decode_attention(q, kc, vc, table, lens, scale, 0, 0.0)
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_s or calls < len(tables):
-        kernels.paged_decode_attention(q, kc, vc, tables[calls % len(tables)], lens, scale, 0, 0.0)
-        calls += 1
-    seconds = (time.perf_counter() - start) / calls
-    return {"reqs": reqs, "ctx": ctx, "ms": round(seconds * 1e3, 3),
-            "gb_s": round(moved / seconds / 1e9, 2), "mb_read": round(moved / 1e6, 1)}  # fmt: skip
+
+    def timed(fn, budget: float) -> float:  # seconds per call over >= budget and every table
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < budget or calls < len(tables):
+            fn(tables[calls % len(tables)])
+            calls += 1
+        return (time.perf_counter() - start) / calls
+
+    for table in tables:
+        attend(table)
+    row: dict = {"reqs": reqs, "ctx": ctx}
+    if probe is None:
+        seconds = timed(attend, min_s)
+    else:  # alternated, three rounds each: the medians
+
+        def read(table: torch.Tensor) -> None:
+            probe.paged_read(kc, vc, table, ctx)
+
+        pairs = [(timed(attend, min_s / 3), timed(read, min_s / 3)) for _ in range(3)]
+        seconds = sorted(p[0] for p in pairs)[1]
+        row["read_gb_s"] = round(moved / sorted(p[1] for p in pairs)[1] / 1e9, 2)
+    row.update(ms=round(seconds * 1e3, 3), gb_s=round(moved / seconds / 1e9, 2))
+    row["mb_read"] = round(moved / 1e6, 1)
+    if "read_gb_s" in row:
+        row["of_read"] = round(row["gb_s"] / row["read_gb_s"], 2)
+    return row
 
 
 def main() -> None:
@@ -118,6 +192,10 @@ def main() -> None:
     )
     parser.add_argument("--huge-pages", action="store_true")
     parser.add_argument(
+        "--read-ceiling", action="store_true",
+        help="also time a plain read of the same blocks (alternated with the kernel)",
+    )  # fmt: skip
+    parser.add_argument(
         "--cache-mb", type=int, default=1024,
         help="float32-equivalent MiB the cache spans (0: just the blocks the case reads, "
         "which then stay in the last-level cache when they fit)",
@@ -135,6 +213,7 @@ def main() -> None:
              "block_size": args.block_size,
              "huge_pages": args.huge_pages, "cache_mb": args.cache_mb}  # fmt: skip
     print(json.dumps(facts))
+    probe = read_probe() if args.read_ceiling else None
     rows = []
     for case in args.cases.split(","):
         reqs, ctx = (int(x) for x in case.split("x"))
@@ -142,7 +221,8 @@ def main() -> None:
         row = measure(kernels, reqs, ctx, args.heads, args.kv_heads, args.head_dim,
                       getattr(torch, args.dtype), block_size=args.block_size, kv_int8=int8,
                       placement=args.placement,
-                      huge_pages=args.huge_pages, cache_mb=args.cache_mb)  # fmt: skip
+                      huge_pages=args.huge_pages, cache_mb=args.cache_mb,
+                      probe=probe)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
