@@ -101,8 +101,12 @@ struct Span {
 // sums read them after the chunk's scores and ask for nothing themselves). Without it each core waits on one block's DRAM lines at a time: the blocks lie
 // anywhere, and the hardware prefetchers stop at each 4 KiB page. Measured
 // (docs/benchmarks.md "Decode attention: all kv heads in one walk, V asked for early"):
-// 1.15-1.6x the GB/s from DRAM, most of it from V.
-constexpr int64_t kAheadBytes = 6 << 10;
+// 1.15-1.6x the GB/s from DRAM, most of it from V. Not far ahead: each prefetch holds one
+// of the core's few L1 miss buffers (AMD: whatever its hint) until its line comes, so a
+// long run of them stalls the loads behind it; with the one-pass kernel 3 KB (at least 4
+// positions) beat 6 KB by 1.06-1.10x at SmolLM2's shapes and 1.01-1.03x at the 1B's, and
+// 8 KB lost 0.86-0.93x at the 1B's ("Decode attention: one pass over K and V").
+constexpr int64_t kAheadBytes = 3 << 10;
 
 template <typename scalar_t>
 struct Ahead {
