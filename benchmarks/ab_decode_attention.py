@@ -4,10 +4,10 @@ A/B for a change to kernels/csrc/paged_attention_cpu.cpp on a noisy machine.
 Each checkout (a directory: this repository, or a `git worktree` of another commit) builds
 its own kernel module (the module's name is a digest of its sources, so both load side by
 side). For each case both modules attend over the same cache and the same block tables
-(blocks at random in a cache far larger than the last-level cache, tables redrawn between
-calls as in bench_decode_attention.py), `--rounds` times each, A then B then B then A...;
-the medians and the range are printed with B / A, and the largest difference between the two
-outputs.
+(bench_decode_attention.py's `make_case`: blocks at random in a cache far larger than the
+last-level cache, tables redrawn between calls), `--rounds` times each, A then B then B
+then A...; the medians and the range are printed with B / A, and the largest difference
+between the two outputs.
 
     git worktree add /tmp/base HEAD
     .venv/bin/python benchmarks/ab_decode_attention.py /tmp/base . \\
@@ -31,6 +31,9 @@ from types import ModuleType
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_decode_attention import make_case  # noqa: E402
+
 _LOAD = "from pagedinfer.kernels import cpu; print(cpu.load_cpu_kernels().__file__)"
 
 
@@ -51,36 +54,19 @@ def load_build(checkout: str) -> ModuleType:
 
 
 def compare(builds: list[ModuleType], reqs: int, ctx: int, args: argparse.Namespace) -> str:
-    g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, block = args.heads, args.kv_heads, args.head_dim, args.block_size
-    dtype = getattr(torch, args.dtype)
-    per_req = -(-ctx // block)
-    used = reqs * per_req
-    num_blocks = max(used, (args.cache_mb << 20) // (block * kv_heads * dim * 4))
-    kc = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    moved = 2 * reqs * ctx * kv_heads * dim * kc.element_size()
-    count = min(64, max(1, -(-(512 << 20) // moved))) if args.cache_mb else 1
-    tables = [
-        torch.randperm(num_blocks, generator=g)[:used].view(reqs, -1).int() for _ in range(count)
-    ]
-    q = torch.randn(reqs, heads, dim, generator=g).to(dtype)
-    lens = torch.full((reqs,), ctx, dtype=torch.int32)
-    scale = dim**-0.5
-
-    def call(module: ModuleType, i: int) -> torch.Tensor:
-        return module.paged_decode_attention(q, kc, vc, tables[i % count], lens, scale, 0, 0.0)
-
-    a, b = (call(m, 0).float() for m in builds)
+    case = make_case(reqs, ctx, args.heads, args.kv_heads, args.head_dim,
+                     getattr(torch, args.dtype), args.block_size,
+                     cache_mb=args.cache_mb)  # fmt: skip
+    a, b = (case.attend(m, case.tables[0]).float() for m in builds)
     diff = (a - b).abs().max().item()
     rates: list[list[float]] = [[], []]
     for r in range(args.rounds):
         for i in (0, 1) if r % 2 == 0 else (1, 0):
             calls, start = 0, time.perf_counter()
-            while time.perf_counter() - start < args.seconds or calls < count:
-                call(builds[i], calls)
+            while time.perf_counter() - start < args.seconds or calls < len(case.tables):
+                case.attend(builds[i], case.tables[calls % len(case.tables)])
                 calls += 1
-            rates[i].append(moved * calls / (time.perf_counter() - start) / 1e9)
+            rates[i].append(case.moved * calls / (time.perf_counter() - start) / 1e9)
     ma, mb = (statistics.median(x) for x in rates)
     ranges = [f"{min(x):.1f}-{max(x):.1f}" for x in rates]
     return (

@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -103,10 +104,27 @@ def read_probe():
     )
 
 
-def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
-            dtype: torch.dtype, block_size: int = 16, min_s: float = 1.0,
-            kv_int8: bool = False, placement: str = "random",
-            huge_pages: bool = False, cache_mb: int = 1024, probe=None) -> dict:  # fmt: skip
+@dataclass
+class Case:
+    """One case's inputs: the caches, the block tables to cycle through, the query."""
+
+    kc: torch.Tensor
+    vc: torch.Tensor
+    tables: list[torch.Tensor]
+    q: torch.Tensor
+    lens: torch.Tensor
+    moved: int  # bytes of K and V a call reads
+
+    def attend(self, kernels, table: torch.Tensor) -> torch.Tensor:
+        scale = self.q.shape[-1] ** -0.5
+        q, kc, vc = self.q, self.kc, self.vc
+        return kernels.paged_decode_attention(q, kc, vc, table, self.lens, scale, 0, 0.0)
+
+
+def make_case(reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype, block_size: int = 16, kv_int8: bool = False,
+              placement: str = "random", huge_pages: bool = False,
+              cache_mb: int = 1024) -> Case:  # fmt: skip
     blocks_per_req = -(-ctx // block_size)
     fp32_block = block_size * kv_heads * head_dim * 4
     num_blocks = max(reqs * blocks_per_req, (cache_mb << 20) // fp32_block)
@@ -141,10 +159,19 @@ def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: i
     tables = [table() for _ in range(min(64, max(1, -(-(512 << 20) // moved))))]
     q = torch.randn(reqs, heads, head_dim, generator=g).to(dtype)
     lens = torch.full((reqs,), ctx, dtype=torch.int32)
-    scale = head_dim**-0.5
+    return Case(kc, vc, tables, q, lens, moved)
+
+
+def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
+            dtype: torch.dtype, block_size: int = 16, min_s: float = 1.0,
+            kv_int8: bool = False, placement: str = "random",
+            huge_pages: bool = False, cache_mb: int = 1024, probe=None) -> dict:  # fmt: skip
+    case = make_case(reqs, ctx, heads, kv_heads, head_dim, dtype, block_size, kv_int8,
+                     placement, huge_pages, cache_mb)  # fmt: skip
+    tables, moved = case.tables, case.moved
 
     def attend(table: torch.Tensor) -> None:
-        kernels.paged_decode_attention(q, kc, vc, table, lens, scale, 0, 0.0)
+        case.attend(kernels, table)
 
     def timed(fn, budget: float) -> float:  # seconds per call over >= budget and every table
         calls, start = 0, time.perf_counter()
@@ -161,7 +188,7 @@ def measure(kernels, reqs: int, ctx: int, heads: int, kv_heads: int, head_dim: i
     else:  # alternated, three rounds each: the medians
 
         def read(table: torch.Tensor) -> None:
-            probe.paged_read(kc, vc, table, ctx)
+            probe.paged_read(case.kc, case.vc, table, ctx)
 
         pairs = [(timed(attend, min_s / 3), timed(read, min_s / 3)) for _ in range(3)]
         seconds = sorted(p[0] for p in pairs)[1]

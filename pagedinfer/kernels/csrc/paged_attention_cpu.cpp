@@ -98,14 +98,15 @@ struct Span {
 
 // Walks the span's positions kAheadBytes of rows ahead of the scores pass, block table and
 // all, and asks for their K rows (into L1: read next) and V rows (into L2: the weighted
-// sums read them after the chunk's scores and ask for nothing themselves). Without it each core waits on one block's DRAM lines at a time: the blocks lie
-// anywhere, and the hardware prefetchers stop at each 4 KiB page. Measured
-// (docs/benchmarks.md "Decode attention: all kv heads in one walk, V asked for early"):
-// 1.15-1.6x the GB/s from DRAM, most of it from V. Not far ahead: each prefetch holds one
-// of the core's few L1 miss buffers (AMD: whatever its hint) until its line comes, so a
-// long run of them stalls the loads behind it; with the one-pass kernel 3 KB (at least 4
-// positions) beat 6 KB by 1.06-1.10x at SmolLM2's shapes and 1.01-1.03x at the 1B's, and
-// 8 KB lost 0.86-0.93x at the 1B's ("Decode attention: one pass over K and V").
+// sums read them after the chunk's scores and ask for nothing themselves). Without it each
+// core waits on one block's DRAM lines at a time: the blocks lie anywhere, and the hardware
+// prefetchers stop at each 4 KiB page. Measured (docs/benchmarks.md "Decode attention: all
+// kv heads in one walk, V asked for early"): 1.15-1.6x the GB/s from DRAM, most of it from
+// V. Not far ahead: each prefetch holds one of the core's few L1 miss buffers (AMD: whatever
+// its hint) until its line comes, so a long run of them stalls the loads behind it; with
+// the one-pass kernel 3 KB (at least 4 positions) beat 6 KB by 1.06-1.10x at SmolLM2's
+// shapes and 1.01-1.03x at the 1B's, and 8 positions lost 0.86-0.93x at the 1B's
+// ("Decode attention: one pass over K and V, no per-head reductions").
 constexpr int64_t kAheadBytes = 3 << 10;
 
 template <typename scalar_t>
@@ -755,11 +756,10 @@ inline bool dot_bf16(int64_t head_dim) {
 // The span is taken kChunk positions at a time (online softmax, as flash-decoding does within
 // a part): the chunk's scores, soft cap and the tile's masks, e^(s - m) against the running
 // max (the sums so far rescaled when it grows), then the chunk's weighted sums. K and V of a
-// chunk are read close together, so the reads Ahead asks for ahead of the scores keep
-// coming while the weighted sums run: with the whole span's scores first, then its weighted
-// sums (reading V from L2), the memory was idle for the second half of each item and the
-// kernel ran at about the harmonic mean of its in-cache speed and the DRAM bandwidth
-// (docs/benchmarks.md "Decode attention: one pass over K and V").
+// chunk are read close together, so the reads Ahead asks for keep coming while the weighted
+// sums run (with the whole span's scores first and its weighted sums after, reading V back
+// from L2, the memory waited through the second pass), and the scores stay in L1
+// (docs/benchmarks.md "Decode attention: one pass over K and V, no per-head reductions").
 constexpr int64_t kChunk = 128;
 
 template <int NV, typename scalar_t>
