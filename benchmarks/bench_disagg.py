@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import socket
 import statistics
 import subprocess
@@ -131,6 +132,9 @@ def disaggregated(args: argparse.Namespace) -> list[Proc]:
         producer["kv_port"] = free_port()
     elif args.connector == "SharedStorageConnector":
         extra["shared_storage_path"] = tempfile.mkdtemp(prefix="bench-disagg-kv-")
+    # A transfer secret: the servers then take the proxy's kv_transfer_params, and the
+    # consumer loads only what the producer tagged (docs/disaggregation.md, "Trust").
+    extra["secret"] = secrets.token_hex(16)
     producer["kv_connector_extra_config"] = extra
     consumer = {**producer, "kv_role": "kv_consumer"}
     avoid = (producer.get("kv_port", 0),)

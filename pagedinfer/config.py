@@ -334,7 +334,11 @@ class KVTransferConfig:
     so a producer needs a fixed one (not 0). Unused by consumers."""
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
     """Connector-specific options: "shared_storage_path" (SharedStorageConnector),
-    "redis_url" (RedisConnector), "lease_timeout_s" (ZmqConnector), ..."""
+    "redis_url" (RedisConnector), "lease_timeout_s" (ZmqConnector), ...; for the
+    ZmqConnector's trust (docs/disaggregation.md): "secret" (shared by the instances: the
+    producer tags its transfer parameters, the consumer loads only tagged ones; or
+    PAGEDINFER_KV_TRANSFER_SECRET) and "trusted_producers" (a consumer connects only to these
+    "host:port")."""
     kv_connector_module_path: str | None = None
     """Import `kv_connector` from this module (an out-of-tree connector)."""
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"

@@ -16,6 +16,7 @@ __all__ = [
     "block_hash_seed",
     "data_dir",
     "kernel_cflags",
+    "kv_transfer_secret",
     "max_cpu_isa",
     "openai_api_key",
     "ray_address",
@@ -47,6 +48,13 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
         "above the CPU's own tier changes nothing. Each tier is its own build; torch's "
         "kernels keep their own caps (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`)."
     ),
+    "PAGEDINFER_KV_TRANSFER_SECRET": (
+        "The secret disaggregated instances share (as `kv_connector_extra_config.secret` "
+        "does, without putting it on a command line): a ZmqConnector producer tags its "
+        "`kv_transfer_params` with an HMAC under it, a consumer loads only what carries a "
+        "valid tag, and servers take clients' `kv_transfer_params` only when it is set "
+        "(or with `--trust-kv-transfer-params`). Default: unset."
+    ),
     "OPENAI_API_KEY": (
         "`pagedinfer bench serve`: the bearer token sent to the server when `--api-key` is "
         "not given."
@@ -62,6 +70,11 @@ def data_dir() -> str | None:
 def kernel_cflags() -> list[str]:
     """`PAGEDINFER_KERNEL_CFLAGS`, split on whitespace ([] when unset)."""
     return os.environ.get("PAGEDINFER_KERNEL_CFLAGS", "").split()
+
+
+def kv_transfer_secret() -> str | None:
+    """`PAGEDINFER_KV_TRANSFER_SECRET`, or None when unset or empty."""
+    return os.environ.get("PAGEDINFER_KV_TRANSFER_SECRET") or None
 
 
 def max_cpu_isa() -> str | None:

@@ -105,6 +105,7 @@ class AsyncLLM:
             info.vocab_size,
             info.max_model_len,
             config.structured_outputs_config,
+            config.kv_transfer_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.stats = EngineStats(

@@ -7,14 +7,21 @@ and no other request is affected.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from pagedinfer.config import StructuredOutputsConfig
 from pagedinfer.core.messages import EngineCoreRequest
+from pagedinfer.distributed.kv_transfer.trust import KVTransferRefused, check_remote
 from pagedinfer.pooling_params import PoolingParams
 from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 from pagedinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedinfer.config import KVTransferConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["InputProcessor", "PromptType", "pooling_sampling_params"]
 
@@ -32,8 +39,10 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         structured_outputs_config: StructuredOutputsConfig | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.kv_transfer_config = kv_transfer_config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = tokenizer.eos_token_id
@@ -64,6 +73,8 @@ class InputProcessor:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         self._validate(token_ids, params)
         params = params.clone()
+        if params.extra_args and "kv_transfer_params" in params.extra_args:
+            self._check_kv_transfer_params(request_id, token_ids, params)
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:
@@ -91,6 +102,27 @@ class InputProcessor:
             pooling_params=pooling_params,
         )
         return request, text
+
+    def _check_kv_transfer_params(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Remote prefill params this instance does not believe (`trust.check_remote`):
+        a ValueError naming why with kv_load_failure_policy "fail", else the params are
+        dropped (with a warning) and the prompt is computed here."""
+        assert params.extra_args is not None
+        kv_params = params.extra_args["kv_transfer_params"]
+        if not isinstance(kv_params, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        kv = self.kv_transfer_config
+        try:
+            check_remote(kv_params, kv, token_ids)
+        except KVTransferRefused as exc:
+            if kv is not None and kv.kv_load_failure_policy == "fail":
+                raise
+            logger.warning("request %s: %s; computing the prompt locally", request_id, exc)
+            params.extra_args = {
+                k: v for k, v in params.extra_args.items() if k != "kv_transfer_params"
+            }
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as written mid-text (" word") and at the start ("word"),

@@ -186,6 +186,7 @@ class LLMEngine:
             self.engine_core.model_info.vocab_size,
             self.max_model_len,
             config.structured_outputs_config,
+            config.kv_transfer_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.stats = EngineStats(

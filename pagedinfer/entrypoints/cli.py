@@ -107,7 +107,20 @@ def _add_serving_parsers(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     serve.add_argument(
-        "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes."
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="Require 'Authorization: Bearer KEY' on /v1 routes; several keys (one per "
+        "tenant) are accepted alike.",
+    )
+    serve.add_argument(
+        "--isolate-tenants",
+        default=None,
+        metavar="api-key|header:NAME",
+        help="Salt every request's prefix-cache blocks with its tenant: the API key it "
+        "presented, or the value of header NAME (then required). Tenants share no cached "
+        "blocks, so `cached_tokens` and timing tell one nothing of another's prompts "
+        "(docs/serving.md).",
     )
     serve.add_argument(
         "--chat-template",
@@ -146,6 +159,12 @@ def _add_serving_parsers(sub: Any) -> None:
         action="store_true",
         help="Answer GET /tokenizer_info (special tokens and the chat template), which "
         "clients such as lm-evaluation-harness use to tokenize through the server.",
+    )
+    serve.add_argument(
+        "--trust-kv-transfer-params",
+        action="store_true",
+        help="Take clients' kv_transfer_params without a transfer secret: only for an "
+        "instance that nobody but its disaggregation proxy can reach (docs/disaggregation.md).",
     )
     add_engine_args(serve)
     # A server shares its cores with its API process and its clients: measured with aiperf
@@ -383,12 +402,18 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client", feature="pagedinfer serve")
     import uvicorn
 
+    from pagedinfer.distributed.kv_transfer.trust import accepts_client_params
     from pagedinfer.engine.async_llm import AsyncLLM
-    from pagedinfer.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, build_app
+    from pagedinfer.entrypoints.openai.api_server import (
+        DEFAULT_MODEL_NAME,
+        build_app,
+        check_tenant_source,
+    )
     from pagedinfer.tokenizer import read_chat_template
 
     try:
         chat_template = None if ns.chat_template is None else read_chat_template(ns.chat_template)
+        check_tenant_source(ns.isolate_tenants, bool(ns.api_key))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -411,10 +436,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         reasoning_parser=ns.reasoning_parser,
         enable_tokenizer_info=ns.enable_tokenizer_info_endpoint,
+        accept_kv_transfer_params=accepts_client_params(
+            engine.config.kv_transfer_config, ns.trust_kv_transfer_params
+        ),
+        isolate_tenants=ns.isolate_tenants,
     )
     curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"
-        + (f" -H 'Authorization: Bearer {ns.api_key}'" if ns.api_key else "")
+        + (f" -H 'Authorization: Bearer {ns.api_key[0]}'" if ns.api_key else "")
         + f' -d \'{{"model": "{name}", "messages": [{{"role": "user", '
         f'"content": "Name three colours."}}], "max_tokens": 40}}\''
     )

@@ -36,6 +36,7 @@ MAX_TOKENS = 12
 BLOCK_SIZE = 16
 CONNECTORS = ["SharedStorageConnector", "RedisConnector", "ZmqConnector"]
 LEASE_S = 4.0
+SECRET = "disagg-test-secret"
 
 
 def prompt(i: int) -> str:
@@ -79,19 +80,28 @@ def deployment(request, reference, tmp_path_factory) -> Iterator[Deployment]:
         extra["redis_url"] = request.getfixturevalue("redis_url")
     else:
         extra["lease_timeout_s"] = LEASE_S
+        extra["secret"] = SECRET  # the servers then take clients' kv_transfer_params
         producer["kv_port"] = free_port()
+    consumer_extra = dict(extra)
+    if connector == "ZmqConnector":
+        consumer_extra["trusted_producers"] = [f"127.0.0.1:{producer['kv_port']}"]
 
-    def config(role: str, **kw: Any) -> str:
+    def config(role: str, extra: dict[str, Any], **kw: Any) -> str:
         return json.dumps({"kv_connector": connector, "kv_role": role,
                            "kv_connector_extra_config": extra, **kw})  # fmt: skip
 
     servers: list[ServerProcess] = []
     try:
         flags = [*small_engine_flags(512), "--block-size", str(BLOCK_SIZE)]  # prompts of few blocks
+        if connector != "ZmqConnector":
+            # No secret: only the proxy (this test) reaches them.
+            flags.append("--trust-kv-transfer-params")
         avoid = tuple(producer.values())  # the ZMQ producer's kv_port
-        servers.append(ServerProcess("--kv-transfer-config", config("kv_producer", **producer),
-                                     *flags, avoid_ports=avoid))  # fmt: skip
-        servers.append(ServerProcess("--kv-transfer-config", config("kv_consumer"), *flags,
+        servers.append(ServerProcess("--kv-transfer-config",
+                                     config("kv_producer", extra, **producer), *flags,
+                                     avoid_ports=avoid))  # fmt: skip
+        servers.append(ServerProcess("--kv-transfer-config",
+                                     config("kv_consumer", consumer_extra), *flags,
                                      avoid_ports=avoid))  # fmt: skip
         prefill, decode = servers
         servers.append(ServerProcess("--prefill", prefill.base, "--decode", decode.base,
@@ -212,8 +222,9 @@ def test_damaged_transfer_is_recomputed(deployment, reference, tokenizer) -> Non
     out = post(deployment.decode.base, body(5, **extra))
     assert out["choices"][0]["text"] == reference[5]
     assert "external_cached_tokens" not in out["usage"]["prompt_tokens_details"]
-    after = metrics(deployment.decode.base)["pagedinfer:kv_transfer_num_failed_loads_total"]
-    assert after == failed + 1
+    after = metrics(deployment.decode.base).get("pagedinfer:kv_transfer_num_failed_loads_total", 0)
+    # A changed request id breaks the ZmqConnector's tag: refused before any pull.
+    assert after == failed + (0 if deployment.connector == "ZmqConnector" else 1)
 
 
 def test_prefill_instance_down_gives_503(deployment) -> None:
@@ -296,3 +307,58 @@ def test_kv_transfer_params_need_one_prompt_and_n_1(deployment) -> None:
         with pytest.raises(urllib.error.HTTPError) as info:
             post(deployment.decode.base, bad)
         assert info.value.code == 400
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[ServerProcess]:
+    """A server with no connector: what every answer must equal."""
+    server = ServerProcess(*small_engine_flags(512), "--block-size", str(BLOCK_SIZE))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("deployment", ["ZmqConnector"], indirect=True)
+def test_kv_poisoning_through_forged_params_fails(deployment, plain, tokenizer) -> None:
+    """Issue 24's attack on three real servers (producer, consumer, plain): the France
+    prompt sent to the consumer with the parameters of the producer's Germany hold. Whatever
+    is changed in them (the prompt hash set to France's, the producer's address moved to a
+    listener nobody trusts, nothing at all), the consumer loads nothing, connects nowhere
+    else, and answers the France prompt as the plain server does, then and afterwards. The
+    Germany parameters, untouched, still load for the Germany prompt."""
+    import socket
+
+    from pagedinfer.distributed.kv_transfer.trust import prompt_hash
+
+    france, germany = "The capital of France is", "The capital of Germany is"
+
+    def ask(base: str, text: str, **kw: Any) -> dict[str, Any]:
+        return post(base, {"model": MODEL, "prompt": text, "max_tokens": 6,
+                           "temperature": 0, **kw})  # fmt: skip
+
+    expected = {text: ask(plain.base, text)["choices"][0]["text"] for text in (france, germany)}
+    prefilled = ask(deployment.prefill.base, germany, max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    params = prefilled["kv_transfer_params"]
+    ids = tokenizer.encode(france)
+    n = min(len(ids), params["remote_num_tokens"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    forged = [
+        {**params, "remote_num_tokens": n, "remote_prompt_hash": prompt_hash(ids[:n])},
+        {**params, "remote_port": listener.getsockname()[1]},
+        params,
+    ]
+    try:
+        for kv in forged:
+            out = ask(deployment.decode.base, france, kv_transfer_params=kv)
+            assert out["choices"][0]["text"] == expected[france]
+            assert "external_cached_tokens" not in out["usage"]["prompt_tokens_details"]
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # the consumer never connected
+    finally:
+        listener.close()
+    for _ in range(2):  # anyone's plain request afterwards
+        assert ask(deployment.decode.base, france)["choices"][0]["text"] == expected[france]
+    out = ask(deployment.decode.base, germany, kv_transfer_params=params)
+    assert out["choices"][0]["text"] == expected[germany]
+    assert out["usage"]["prompt_tokens_details"]["external_cached_tokens"] > 0

@@ -4,11 +4,14 @@ the rest. SharedStorageConnector on a directory, RedisConnector on a real redis-
 
 Greedy outputs must equal a single instance's; stored KV that is deleted, truncated or
 corrupted between the two phases is detected and the prompt recomputed (or the request
-failed, with kv_load_failure_policy "fail")."""
+failed, with kv_load_failure_policy "fail"); an entry that fails its load is discarded and
+stored anew by the next producer run; another prompt's entry copied under a prompt's key
+fails its checksum (which covers the key)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +41,9 @@ class Store:
     delete: Callable[[str, str], None]
     truncate: Callable[[str, str], None]
     flip_byte: Callable[[str, str], None]
+    copy_entry: Callable[[str, str], None]
+    """Write every layer of one key's entry, checksums included, under another key."""
+    has_entry: Callable[[str], bool]
 
     def config(self, role: str, **kw: Any) -> dict[str, Any]:
         return {
@@ -63,12 +69,18 @@ def _shared_storage(root: str) -> Store:
             f.seek(-100, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0x40]))
 
+    def copy_entry(src: str, dst: str) -> None:
+        for name in os.listdir(os.path.join(root, src)):
+            shutil.copyfile(os.path.join(root, src, name), os.path.join(root, dst, name))
+
     return Store(
         "SharedStorageConnector",
         {"shared_storage_path": root},
         lambda key, layer: os.remove(path(key, layer)),
         truncate,
         flip_byte,
+        copy_entry,
+        lambda key: os.path.isdir(os.path.join(root, key)),
     )
 
 
@@ -88,12 +100,19 @@ def _redis(url: str) -> Store:
         value[-100] ^= 0x40
         client.set(name, bytes(value))
 
+    def copy_entry(src: str, dst: str) -> None:
+        for name in client.keys(f"{prefix}{src}:*"):
+            layer = name.decode().rsplit(":", 1)[1]
+            client.set(f"{prefix}{dst}:{layer}", client.get(name))
+
     return Store(
         "RedisConnector",
         {"redis_url": url},
         lambda key, layer: client.delete(f"{prefix}{key}:{layer}"),
         truncate,
         flip_byte,
+        copy_entry,
+        lambda key: bool(client.exists(prefix + key)),
     )
 
 
@@ -189,3 +208,29 @@ def test_missing_entry_is_a_plain_miss(consumer, prompts, reference) -> None:
     (out,) = consumer.generate([prompt], GREEDY, use_tqdm=False)
     assert out.num_external_cached_tokens == 0
     assert stats(consumer)["kv_num_failed_loads"] == failed
+
+
+def test_poisoned_entry_fails_its_checksum_and_is_replaced(
+    store, producer, consumer, prompts, reference
+) -> None:
+    """Another prompt's layers, valid checksums included, written under this prompt's key
+    (someone with write access to the store): each checksum covers its key, so the load
+    fails and the prompt is computed; the entry is discarded, and the producer's next run
+    of the prompt stores it anew, which loads."""
+    aligned = [prompt_store_key(None, BLOCK_SIZE, p)[1] for p in prompts[:7]]
+    victim, donor = next(
+        (v, d) for v in range(7) for d in range(7) if v != d and 0 < aligned[v] <= aligned[d]
+    )
+    key = prompt_store_key(None, BLOCK_SIZE, prompts[victim])[0]
+    store.copy_entry(prompt_store_key(None, BLOCK_SIZE, prompts[donor])[0], key)
+    failed = stats(consumer)["kv_num_failed_loads"]
+    (out,) = consumer.generate([prompts[victim]], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[victim]
+    assert out.num_external_cached_tokens == 0
+    assert stats(consumer)["kv_num_failed_loads"] == failed + 1
+    assert not store.has_entry(key)  # discarded, not kept
+    prefill(producer, [prompts[victim]])
+    assert store.has_entry(key)
+    (out,) = consumer.generate([prompts[victim]], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[victim]
+    assert out.num_external_cached_tokens == aligned[victim]

@@ -6,11 +6,17 @@ token and the completion.
 Greedy outputs must equal a plain instance's. A pull that cannot be served (the producer is
 gone, a wrong request id, an expired lease, a corrupted reply) makes the consumer recompute
 the prompt (or fail the request, with kv_load_failure_policy "fail"); the producer's held
-blocks are all released once read or expired."""
+blocks are all released once read or expired.
+
+Trust (`distributed/kv_transfer/trust.py`): a pull naming another prompt is refused by the
+producer; with a transfer secret only tagged parameters load, and a consumer connects only
+to its `trusted_producers`."""
 
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +32,7 @@ from pagedinfer import LLM, SamplingParams
 from pagedinfer.config import build_engine_config
 from pagedinfer.distributed.kv_transfer.base import KVConnectorRole
 from pagedinfer.distributed.kv_transfer.storage import kv_checksum
+from pagedinfer.distributed.kv_transfer.trust import prompt_hash
 from pagedinfer.distributed.kv_transfer.zmq.connector import ZmqConnector
 from pagedinfer.distributed.kv_transfer.zmq.wire import PullReply, PullRequest
 from tests.integration.server_proc import free_port
@@ -64,6 +71,8 @@ PROMPTS = {
         "What is the boiling point of water at the top of a high mountain?",
     ],
     "abort_load": ["Summarise the plot of Romeo and Juliet in two sentences."],
+    "poison": ["The capital of France is", "The capital of Germany is"],
+    "signed": ["Explain why the Moon has phases, in three short sentences."],
     "abort_hold": ["Count from one to fifty, separated by commas."],
 }
 CONNECTOR_LOGGER = "pagedinfer.distributed.kv_transfer.zmq"  # every module of the package
@@ -248,6 +257,94 @@ def test_params_of_another_prompt_are_not_used(
     (out,) = consumer.generate([other], decode_params(params), use_tqdm=False)
     assert out.outputs[0].token_ids == reference[other]
     assert out.num_external_cached_tokens == producer.num_tokens[other] - 1
+    release_step(producer.llm)
+    assert free_blocks(producer.llm) == producer.all_free
+
+
+def test_pull_naming_another_prompt_is_refused_by_the_producer(
+    producer: Producer, consumer: LLM, reference
+) -> None:
+    """Issue 24's poisoning, offline and with neither a secret nor a trusted list: the
+    France prompt sent with the parameters of the producer's Germany hold, its prompt hash
+    replaced by the France prompt's own. The consumer's check passes (the hash is its
+    prompt's), but the pull names that hash and the producer holds another prompt: refused.
+    The consumer computes France itself, caches nothing foreign, and the Germany hold stays
+    for its own reader."""
+    france, germany = PROMPTS["poison"]
+    (params,) = producer.prefill([germany])
+    ids = consumer.get_tokenizer().encode(france)
+    n = min(len(ids), params["remote_num_tokens"])
+    forged = {**params, "remote_num_tokens": n, "remote_prompt_hash": prompt_hash(ids[:n])}
+    failed = kv_stat(consumer, "num_failed_loads")
+    with Warnings() as warnings:
+        (out,) = consumer.generate([france], decode_params(forged), use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[france]
+    assert out.num_external_cached_tokens == 0
+    assert kv_stat(consumer, "num_failed_loads") - failed == 1
+    assert any("holds the KV of another prompt" in m for m in warnings.messages), warnings.messages
+    (out,) = consumer.generate([france], GREEDY, use_tqdm=False)  # anyone's plain request
+    assert out.outputs[0].token_ids == reference[france]
+    (out,) = consumer.generate([germany], decode_params(params), use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[germany]
+    assert out.num_external_cached_tokens == producer.num_tokens[germany] - 1
+    release_step(producer.llm)
+    assert free_blocks(producer.llm) == producer.all_free
+
+
+SECRET = "test-transfer-secret"
+
+
+@pytest.fixture(scope="module")
+def signed_pair() -> Iterator[tuple[Producer, LLM]]:
+    """A producer and a consumer sharing a transfer secret; the consumer trusts only that
+    producer and fails a request whose parameters it refuses."""
+    p = Producer(kv_connector_extra_config={"secret": SECRET})
+    consumer = LLM(
+        kv_transfer_config=zmq_config(
+            "kv_consumer",
+            kv_connector_extra_config={
+                "secret": SECRET,
+                "trusted_producers": [f"127.0.0.1:{p.port}"],
+            },
+            kv_load_failure_policy="fail",
+        ),
+        **ENGINE,
+    )
+    yield p, consumer
+    consumer.shutdown()
+    p.shutdown()
+
+
+def test_signed_parameters_load_and_forgeries_are_refused(signed_pair, reference) -> None:
+    producer, consumer = signed_pair
+    (prompt,) = PROMPTS["signed"]
+    ids = consumer.get_tokenizer().encode(prompt)
+    (params,) = producer.prefill([prompt])
+    assert isinstance(params["remote_tag"], str)
+    listener = socket.create_server(("127.0.0.1", 0))  # an address nobody trusts
+    elsewhere = listener.getsockname()[1]
+    forgeries = {
+        "no tag": ({k: v for k, v in params.items() if k != "remote_tag"}, "remote_tag"),
+        "another secret's tag": ({**params, "remote_tag": "0" * 64}, "remote_tag"),
+        "another request id": ({**params, "remote_request_id": "other"}, "remote_tag"),
+        "a client's hash": (
+            {**params, "remote_num_tokens": 3, "remote_prompt_hash": prompt_hash(ids[:3])},
+            "remote_tag",
+        ),
+        "an untrusted producer": ({**params, "remote_port": elsewhere}, "trusted_producers"),
+    }
+    try:
+        for what, (forged, reason) in forgeries.items():
+            with pytest.raises(ValueError, match=reason):
+                consumer.generate([prompt], decode_params(forged), use_tqdm=False)
+            assert kv_stat(consumer, "num_failed_loads") == 0, what
+        readable, _, _ = select.select([listener], [], [], 0.2)
+        assert not readable  # no connection was attempted
+    finally:
+        listener.close()
+    (out,) = consumer.generate([prompt], decode_params(params), use_tqdm=False)
+    assert out.outputs[0].token_ids == reference[prompt]
+    assert out.num_external_cached_tokens == producer.num_tokens[prompt] - 1
     release_step(producer.llm)
     assert free_blocks(producer.llm) == producer.all_free
 

@@ -6,7 +6,9 @@ Keys, under `{prefix}{key}` (prefix "pagedinfer:kv:" by default):
                                  the raw `[2, num_tokens, num_kv_heads, head_dim]` bytes
     {prefix}{key}                the commit marker, written last: the number of layers
 
-A reader checks the marker only, so an entry is visible once complete. Every key gets the
+A reader checks the marker only, so an entry is visible once complete; an entry that failed
+to load loses its marker (`discard`), so the next save replaces it. Checksums bind each
+layer to its key (`storage.entry_checksum`). Every key gets the
 same time to live (`ttl_s`, default one hour; 0 keeps them), so the store does not grow
 without bound; Redis' own `maxmemory` policy may evict entries too, and an entry with a
 layer evicted fails its load (then the prompt is recomputed, per kv_load_failure_policy).
@@ -23,8 +25,9 @@ import msgspec
 import numpy as np
 import torch
 
-from pagedinfer.distributed.kv_transfer.storage import KVLoadError, KVStore, kv_checksum
+from pagedinfer.distributed.kv_transfer.storage import KVLoadError, KVStore, entry_checksum
 from pagedinfer.distributed.kv_transfer.storage_connector import StorageConnector
+from pagedinfer.distributed.kv_transfer.trust import transfer_secret
 from pagedinfer.extras import require_extra
 
 if TYPE_CHECKING:
@@ -62,6 +65,7 @@ class RedisStore(KVStore):
         timeout = float(kv_config.get_from_extra_config("socket_timeout_s", 5.0))
         self.prefix = str(kv_config.get_from_extra_config("key_prefix", "pagedinfer:kv:"))
         self.ttl_s = int(kv_config.get_from_extra_config("ttl_s", 3600))
+        self.secret = transfer_secret(kv_config)
         # Thread-safe (a connection pool): the save thread and the step share it.
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout
@@ -76,7 +80,8 @@ class RedisStore(KVStore):
     def put_layer(self, key: str, layer_name: str, kv: torch.Tensor) -> None:
         kv = kv.contiguous()
         dtype = str(kv.dtype).removeprefix("torch.")
-        header = _ENCODER.encode(_LayerHeader(list(kv.shape), dtype, kv_checksum(kv)))
+        checksum = entry_checksum(kv, key, layer_name, self.secret)
+        header = _ENCODER.encode(_LayerHeader(list(kv.shape), dtype, checksum))
         raw = memoryview(kv.view(torch.uint8).numpy())
         payload = b"".join((len(header).to_bytes(_LEN, "little"), header, raw))
         self.client.set(f"{self.prefix}{key}:{layer_name}", payload, ex=self.ttl_s or None)
@@ -99,9 +104,14 @@ class RedisStore(KVStore):
         if data.size != expected:
             raise KVLoadError(f"{layer_name}: {data.size} bytes stored, {expected} expected")
         kv = torch.from_numpy(data.copy()).view(dtype).view(header.shape)
-        if kv_checksum(kv) != header.checksum:
+        if entry_checksum(kv, key, layer_name, self.secret) != header.checksum:
             raise KVLoadError(f"{layer_name} is corrupted (checksum mismatch)")
         return kv
+
+    def discard(self, key: str) -> None:
+        # The marker only: without it the entry is a miss, and the next save rewrites
+        # every layer (the old ones expire with their time to live meanwhile).
+        self.client.delete(self.prefix + key)
 
     def close(self) -> None:
         self.client.close()

@@ -8,7 +8,9 @@ Each file holds `kv_cache`, `[2, num_tokens, num_kv_heads, head_dim]`, and its c
 the safetensors metadata. Layers are written into a hidden temporary directory that is
 renamed to `{key}` once all are written: the rename is atomic, so a reader sees either no
 entry or a complete one (on a shared filesystem with atomic rename, e.g. NFS v3+ within one
-export). Nothing is ever deleted: clearing the directory is the operator's business.
+export). Only an entry that failed to load is deleted (renamed aside, then removed, so a
+reader never sees half of it); clearing the directory is otherwise the operator's business.
+Checksums bind each layer to its key (`storage.entry_checksum`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedinfer.distributed.kv_transfer.storage import KVLoadError, KVStore, kv_checksum
+from pagedinfer.distributed.kv_transfer.storage import KVLoadError, KVStore, entry_checksum
 from pagedinfer.distributed.kv_transfer.storage_connector import StorageConnector
+from pagedinfer.distributed.kv_transfer.trust import transfer_secret
 
 if TYPE_CHECKING:
     from pagedinfer.config import KVTransferConfig
@@ -42,6 +45,7 @@ class SharedStorageStore(KVStore):
     def __init__(self, kv_config: KVTransferConfig) -> None:
         self.root = str(kv_config.get_from_extra_config("shared_storage_path", "/tmp"))
         os.makedirs(self.root, exist_ok=True)
+        self.secret = transfer_secret(kv_config)
         # Worker side: key -> the temporary directory being written.
         self._staging: dict[str, str] = {}
 
@@ -60,7 +64,7 @@ class SharedStorageStore(KVStore):
         save_file(
             {"kv_cache": kv.contiguous()},
             os.path.join(staging, f"{layer_name}.safetensors"),
-            metadata={"checksum": kv_checksum(kv)},
+            metadata={"checksum": entry_checksum(kv, key, layer_name, self.secret)},
         )
 
     def commit(self, key: str, layer_names: list[str]) -> None:
@@ -83,6 +87,14 @@ class SharedStorageStore(KVStore):
             raise KVLoadError(f"{path} is missing") from None
         except Exception as exc:  # a truncated or garbled header
             raise KVLoadError(f"{path} is unreadable: {exc}") from exc
-        if checksum != kv_checksum(kv):
+        if checksum != entry_checksum(kv, key, layer_name, self.secret):
             raise KVLoadError(f"{path} is corrupted (checksum mismatch)")
         return kv
+
+    def discard(self, key: str) -> None:
+        aside = os.path.join(self.root, f".discard-{key}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(self._entry(key), aside)
+        except FileNotFoundError:
+            return  # gone already (another reader discarded it)
+        shutil.rmtree(aside, ignore_errors=True)

@@ -18,9 +18,13 @@ tokens, so no transfer parameters need to travel between them.
   thread as they write it (`save_kv_layer`); the consumer's reader thread fetches layers in
   order from `start_load_kv` on, and each attention layer places its own just before it
   runs (`wait_for_layer_load`).
+- Checksums (`entry_checksum`) cover the key and the layer name with the bytes, keyed by
+  the transfer secret when one is set (`trust.transfer_secret`): an entry copied under
+  another prompt's key fails, and without the secret nobody can write one that loads.
 - Failures: a missing, truncated or corrupted layer makes the load fail; the request's
   loaded blocks are reported in `invalid_block_ids` and the scheduler applies
-  `kv_load_failure_policy`.
+  `kv_load_failure_policy`. The entry is discarded (`KVStore.discard`), so the next
+  producer computing that prompt stores it anew instead of keeping a bad one.
 
 This module holds what both sides share: the store interface (`KVStore`), the key, the
 slot and checksum helpers. The connector is split by role as the ZmqConnector is:
@@ -42,6 +46,7 @@ import torch
 __all__ = [
     "KVLoadError",
     "KVStore",
+    "entry_checksum",
     "kv_checksum",
     "prompt_store_key",
     "token_digest",
@@ -57,6 +62,16 @@ def kv_checksum(tensor: torch.Tensor) -> str:
     """A digest of a tensor's bytes (any dtype)."""
     data = tensor.detach().contiguous().view(torch.uint8).numpy()
     return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
+
+
+def entry_checksum(kv: torch.Tensor, key: str, layer_name: str, secret: bytes | None) -> str:
+    """A stored layer's digest: its bytes bound to its key and layer name, keyed by the
+    transfer secret when there is one (then only its holders can write a loadable entry)."""
+    mac_key = hashlib.sha256(secret).digest() if secret else b""
+    digest = hashlib.blake2b(key=mac_key, digest_size=16)
+    digest.update(f"{key}|{layer_name}|".encode())
+    digest.update(memoryview(kv.detach().contiguous().view(torch.uint8).numpy()))
+    return digest.hexdigest()
 
 
 def token_slots(block_ids: list[int], start: int, num_tokens: int, block_size: int) -> torch.Tensor:
@@ -100,6 +115,11 @@ class KVStore(ABC):
     @abstractmethod
     def get_layer(self, key: str, layer_name: str) -> torch.Tensor:
         """One layer's stored KV; raises KVLoadError if it is missing or corrupted."""
+
+    @abstractmethod
+    def discard(self, key: str) -> None:
+        """Remove the entry under `key` (one that failed to load), so that the next save of
+        that prompt replaces it; a missing entry is not an error."""
 
     def close(self) -> None:  # noqa: B027
         """Release the store's clients (at shutdown)."""

@@ -128,6 +128,11 @@ class StorageConnectorWorker:
             last = -(-(spec.start + spec.num_tokens) // self.block_size)
             self._out.invalid_block_ids.extend(spec.block_ids[first:last])
             logger.warning("KV load of request %s failed: %s", spec.req_id, error)
+            try:
+                # A bad entry is not kept: the next save of the prompt replaces it.
+                self.store.discard(spec.key)
+            except Exception as exc:  # the store is down: the entry stays, loads keep failing
+                logger.warning("could not discard the KV entry %s: %s", spec.key, exc)
         self._load_errors = {}
 
     def save_kv_layer(

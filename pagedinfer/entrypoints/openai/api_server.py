@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -65,7 +67,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
 from pagedinfer.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedinfer.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
-__all__ = ["DEFAULT_MODEL_NAME", "build_app"]
+__all__ = ["DEFAULT_MODEL_NAME", "build_app", "check_tenant_source"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -200,15 +202,61 @@ async def _invalid(request: Request, exc: Exception) -> Response:
     return error_response(400, f"{param or 'body'}: {message}", param)
 
 
+def check_tenant_source(isolate_tenants: str | None, has_keys: bool) -> None:
+    """ValueError unless `--isolate-tenants` is unset, "api-key" (with keys) or
+    "header:NAME"."""
+    if isolate_tenants is None or (isolate_tenants == "api-key" and has_keys):
+        return
+    if isolate_tenants.startswith("header:") and isolate_tenants != "header:":
+        return
+    raise ValueError(
+        f"--isolate-tenants {isolate_tenants!r}: 'api-key' (with --api-key) or 'header:NAME'"
+    )
+
+
+def _given_key(request: Request) -> str | None:
+    """The API key a request presents: `Authorization: Bearer` (OpenAI's clients) or
+    `x-api-key` (Anthropic's)."""
+    auth = request.headers.get("authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer ") :]
+    return request.headers.get("x-api-key")
+
+
+def _matching_key(given: str | None, keys: tuple[str, ...]) -> str | None:
+    """The configured key equal to `given` (compared in constant time), or None."""
+    if given is None:
+        return None
+    found = None
+    for key in keys:
+        if hmac.compare_digest(given.encode(), key.encode()):
+            found = key
+    return found
+
+
 async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    api_key: str | None = request.app.state.api_key
-    if api_key is not None and request.url.path.startswith("/v1"):
-        # `Authorization: Bearer` (OpenAI's clients) or `x-api-key` (Anthropic's).
-        given = request.headers.get("authorization") == f"Bearer {api_key}"
-        if not given and request.headers.get("x-api-key") != api_key:
-            if request.url.path == "/v1/messages":
-                return anthropic_error(401, "Invalid or missing API key.")
-            return error_response(401, "Invalid or missing API key.")
+    state = request.app.state
+    if not request.url.path.startswith("/v1"):
+        return await call_next(request)
+    key = _matching_key(_given_key(request), state.api_keys)
+    error = None
+    if state.api_keys and key is None:
+        error = (401, "Invalid or missing API key.")
+    elif state.isolate_tenants == "api-key":
+        assert key is not None
+        # The key's digest, not the key: salts reach block hashes and traces.
+        request.state.tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    elif state.isolate_tenants is not None:
+        header = state.isolate_tenants.removeprefix("header:")
+        tenant = request.headers.get(header)
+        if not tenant:
+            error = (400, f"The {header} header (the request's tenant) is required.")
+        else:
+            request.state.tenant = "header:" + tenant
+    if error is not None:
+        if request.url.path == "/v1/messages":
+            return anthropic_error(*error)
+        return error_response(*error)
     return await call_next(request)
 
 
@@ -226,7 +274,7 @@ async def _request_id(
 def build_app(
     engine_client: EngineClient,
     model_name: str = DEFAULT_MODEL_NAME,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     *,
     shutdown_engine: bool = False,
     chat_template: str | None = None,
@@ -234,13 +282,20 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
     enable_tokenizer_info: bool = False,
+    accept_kv_transfer_params: bool = False,
+    isolate_tenants: str | None = None,
 ) -> FastAPI:
     """The app over `engine_client` (an `AsyncLLM`); with `shutdown_engine`, the app's
     lifespan ends it (so the engine process goes with the server however the ASGI server is
     stopped). `chat_template` (a jinja template) replaces the model's own for chat and
     tokenize requests; `tool_call_parser`, `enable_auto_tool_choice` and `reasoning_parser`
     are the `serve` flags (`tool_choice.py`, `reasoning.py`), and so is
-    `enable_tokenizer_info` (`GET /tokenizer_info`, off by default as in vLLM). Adds the
+    `enable_tokenizer_info` (`GET /tokenizer_info`, off by default as in vLLM) and
+    `accept_kv_transfer_params` (clients' `kv_transfer_params`: with a transfer secret, or
+    `--trust-kv-transfer-params`; see `distributed/kv_transfer/trust.py`). `api_key`: one
+    key or several (one per tenant); `isolate_tenants` ("api-key", or "header:NAME") salts
+    every request's prefix-cache blocks with its tenant (`serving_engine.prefix_salt`), so
+    tenants share no blocks. ValueError for "api-key" without keys. Adds the
     app's Prometheus logger to the engine's `stat_loggers`."""
 
     @contextlib.asynccontextmanager
@@ -259,12 +314,16 @@ def build_app(
     state = app.state
     state.engine_client = engine_client
     state.model_name = model_name
-    state.api_key = api_key
+    state.api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    check_tenant_source(isolate_tenants, bool(state.api_keys))
+    state.isolate_tenants = isolate_tenants
     state.enable_tokenizer_info = enable_tokenizer_info
     state.created = int(time.time())
     state.metrics = PrometheusStatLogger(model_name, engine_client.max_model_len)
     engine_client.stat_loggers.append(state.metrics)
-    state.openai_serving_completion = OpenAIServingCompletion(engine_client, model_name)
+    state.openai_serving_completion = OpenAIServingCompletion(
+        engine_client, model_name, accept_kv_transfer_params=accept_kv_transfer_params
+    )
     state.openai_serving_chat = OpenAIServingChat(
         engine_client,
         model_name,
@@ -272,6 +331,7 @@ def build_app(
         tool_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
+        accept_kv_transfer_params=accept_kv_transfer_params,
     )
     state.openai_serving_embedding = OpenAIServingEmbedding(engine_client, model_name)
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)

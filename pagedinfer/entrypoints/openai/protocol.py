@@ -224,6 +224,9 @@ class SamplingFields(BaseModel):
     # Disaggregated prefill (vLLM's field): to a prefill instance {"do_remote_decode":
     # true}; to a decode instance, what the prefill instance's response carried.
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """vLLM's field: requests share prefix-cache blocks only with requests of the same
+    salt (and, with `--isolate-tenants`, of the same tenant): see docs/serving.md."""
 
     @property
     def include_usage(self) -> bool:

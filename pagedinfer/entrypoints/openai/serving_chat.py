@@ -50,7 +50,9 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     error_response,
     failure,
     json_response,
+    prefix_salt,
     prompt_logprobs_body,
+    salted,
     template_message,
     template_variables,
     to_sampling_params,
@@ -128,8 +130,14 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
+        accept_kv_transfer_params: bool = False,
     ) -> None:
-        super().__init__(engine_client, model_name, chat_template)
+        super().__init__(
+            engine_client,
+            model_name,
+            chat_template,
+            accept_kv_transfer_params=accept_kv_transfer_params,
+        )
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"--tool-call-parser {tool_parser!r}: not one of {', '.join(TOOL_PARSERS)}"
@@ -150,6 +158,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         if (bad := self.check_model(request.model)) is not None:
             return bad
+        if (refused := self.refuse_kv_transfer_params(request)) is not None:
+            return refused
         try:
             plan = plan_tools(request, self.tool_parser, self.enable_auto_tool_choice)
         except ValueError as exc:
@@ -181,7 +191,10 @@ class OpenAIServingChat(OpenAIServing):
         except (ValueError, TypeError) as exc:
             return error_response(400, str(exc), "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self.engine_client.generate({"prompt_token_ids": prompt_ids}, params, request_id)
+        prompt = salted(
+            {"prompt_token_ids": prompt_ids}, prefix_salt(raw_request, request.cache_salt)
+        )
+        gen = self.engine_client.generate(prompt, params, request_id)
         created = int(time.time())
         if request.stream:
             first = await watched(raw_request, gen.__anext__())

@@ -33,7 +33,9 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     error_response,
     failure,
     json_response,
+    prefix_salt,
     prompt_logprobs_body,
+    salted,
     to_sampling_params,
     usage_info,
     watched,
@@ -117,6 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         if (bad := self.check_model(request.model)) is not None:
             return bad
+        if (refused := self.refuse_kv_transfer_params(request)) is not None:
+            return refused
         prompts = request.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[assignment]
@@ -142,8 +146,10 @@ class OpenAIServingCompletion(OpenAIServing):
         except (ValueError, TypeError) as exc:
             return error_response(400, str(exc))
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        salt = prefix_salt(raw_request, request.cache_salt)
         inputs: list[PromptType] = [
-            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts
+            salted({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}, salt)
+            for p in prompts
         ]
         try:
             # Every prompt validated before any runs: a bad one fails the request alone.

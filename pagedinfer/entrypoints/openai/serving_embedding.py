@@ -31,6 +31,8 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     OpenAIServing,
     error_response,
     json_response,
+    prefix_salt,
+    salted,
     watched,
 )
 from pagedinfer.pooling_params import PoolingParams
@@ -62,8 +64,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
         if not items:
             return error_response(400, "input: at least one input is needed", "input")
+        salt = prefix_salt(raw_request, None)
         inputs: list[PromptType] = [
-            {"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)}  # type: ignore[arg-type]
+            salted({"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)}, salt)  # type: ignore[arg-type]
             for x in items
         ]
         request_id = f"embd-{uuid.uuid4().hex}"

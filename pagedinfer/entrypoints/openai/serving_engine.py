@@ -55,6 +55,8 @@ __all__ = [
     "request_structured_outputs",
     "template_message",
     "template_variables",
+    "prefix_salt",
+    "salted",
     "to_sampling_params",
     "usage_info",
     "watched",
@@ -218,6 +220,23 @@ def prompt_logprobs_body(
         }
         for entry in entries
     ]
+
+
+def prefix_salt(raw_request: Request, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its own `cache_salt` and the tenant the server
+    isolates it as (`request.state.tenant`, set by the auth middleware with
+    `--isolate-tenants`); None when it has neither. Requests share cached blocks only with
+    requests of the same salt, so one tenant's `cached_tokens` (and latency) says nothing
+    about another's prompts."""
+    tenant = getattr(raw_request.state, "tenant", None)
+    if tenant is None:
+        return cache_salt
+    return json.dumps([tenant, cache_salt])
+
+
+def salted(prompt: dict[str, Any], salt: str | None) -> dict[str, Any]:
+    """`prompt` (a prompt dict) with `salt` as its `cache_salt`, when there is one."""
+    return prompt if salt is None else {**prompt, "cache_salt": salt}
 
 
 def check_room(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -411,13 +430,35 @@ class OpenAIServing:
     """One endpoint's handler over the engine client: model-name checks and streaming."""
 
     def __init__(
-        self, engine_client: EngineClient, model_name: str, chat_template: str | None = None
+        self,
+        engine_client: EngineClient,
+        model_name: str,
+        chat_template: str | None = None,
+        *,
+        accept_kv_transfer_params: bool = False,
     ) -> None:
         self.engine_client = engine_client
         self.model_name = model_name
         self.tokenizer = engine_client.tokenizer
         self.chat_template = chat_template
         """`--chat-template`: used instead of the model's own for chat requests."""
+        self.accept_kv_transfer_params = accept_kv_transfer_params
+        """Whether clients may send `kv_transfer_params` (`trust.accepts_client_params`)."""
+
+    def refuse_kv_transfer_params(self, request: SamplingFields) -> JSONResponse | None:
+        """A 400 for client `kv_transfer_params` on a server that does not take them: with
+        no transfer secret they would choose which host the engine connects to and which
+        KV it loads for the prompt (`distributed/kv_transfer/trust.py`)."""
+        if request.kv_transfer_params is None or self.accept_kv_transfer_params:
+            return None
+        return error_response(
+            400,
+            "kv_transfer_params: not taken from clients by this server: configure a transfer "
+            "secret (kv_connector_extra_config.secret or PAGEDINFER_KV_TRANSFER_SECRET) on "
+            "every instance, or start it with --trust-kv-transfer-params behind a proxy that "
+            "sets them",
+            "kv_transfer_params",
+        )
 
     def check_model(self, name: str | None) -> JSONResponse | None:
         """A 404 for a request naming another model than the one served, else None."""

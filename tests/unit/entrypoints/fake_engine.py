@@ -99,6 +99,8 @@ class FakeEngine:
         self.dead = False
         self.params: dict[str, SamplingParams] = {}
         self.prompts: dict[str, list[int]] = {}
+        self.salts: dict[str, str | None] = {}
+        """Each request's prompt `cache_salt` (None without)."""
         self.aborted: list[str] = []
         self.num_cached_tokens = 0
         self.replies = list(REPLIES)
@@ -122,6 +124,7 @@ class FakeEngine:
         ids = prompt.get("prompt_token_ids") or [ord(ch) for ch in text]
         self.params[request_id] = params
         self.prompts[request_id] = ids
+        self.salts[request_id] = prompt.get("cache_salt")
         said = "".join(chr(i) for i in ids)
         replies = [self._reply(j, said, params) for j in range(params.n)]
         finished = False

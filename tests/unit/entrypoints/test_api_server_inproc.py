@@ -33,8 +33,27 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def client(engine: FakeEngine) -> Iterator[TestClient]:
-    with TestClient(build_app(engine, MODEL, KEY), headers=AUTH) as test_client:
+    """A server that takes clients' kv_transfer_params (as behind a disaggregation proxy)."""
+    app = build_app(engine, MODEL, KEY, accept_kv_transfer_params=True)
+    with TestClient(app, headers=AUTH) as test_client:
         yield test_client
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_kv_transfer_params_refused_by_default(engine: FakeEngine, route: str) -> None:
+    """Without a transfer secret or --trust-kv-transfer-params a client's kv_transfer_params
+    are a 400 naming the field; the engine sees nothing."""
+    body: dict[str, Any] = {"max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}}
+    if route == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    with TestClient(build_app(engine, MODEL, KEY), headers=AUTH) as client:
+        resp = client.post(route, json=body)
+        assert_error(resp, 400, "BadRequestError", "transfer secret", "kv_transfer_params")
+        del body["kv_transfer_params"]
+        assert client.post(route, json=body).status_code == 200
+    assert len(engine.params) == 1
 
 
 def events(text: str) -> list[Any]:
@@ -308,3 +327,60 @@ def test_chat_template_given_to_the_server_replaces_the_models(engine: FakeEngin
     (ids,) = engine.prompts.values()
     assert "".join(map(chr, ids)) == "[T]user: hi\nassistant: "
     assert tokens.json()["tokens"] == ids
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+def test_cache_salt_reaches_the_engine(client: TestClient, engine: FakeEngine) -> None:
+    for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        assert client.post(route, json={**body, "cache_salt": "tenant-a"}).status_code == 200
+        assert client.post(route, json=body).status_code == 200
+        resp = client.post(route, json={**body, "cache_salt": ""})
+        assert_error(resp, 400, "BadRequestError", "at least 1 character", "cache_salt")
+    assert list(engine.salts.values()) == ["tenant-a", None, "tenant-a", None]
+
+
+def test_tenants_by_api_key_get_their_own_salt(engine: FakeEngine) -> None:
+    """`--isolate-tenants api-key`: each key its own salt (a digest: the key itself never
+    reaches the engine); a request's own cache_salt is kept within its tenant's."""
+    app = build_app(engine, MODEL, ["key-one", "key-two"], isolate_tenants="api-key")
+    with TestClient(app) as client:
+        for key in ("key-one", "key-two", "key-one"):
+            resp = client.post(
+                "/v1/completions", json=COMPLETION, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert resp.status_code == 200
+        resp = client.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": "key-two"})
+        assert resp.status_code == 200
+        resp = client.post(
+            "/v1/completions",
+            json={**COMPLETION, "cache_salt": "s"},
+            headers={"Authorization": "Bearer key-one"},
+        )
+        assert resp.status_code == 200
+        bad = client.post("/v1/completions", json=COMPLETION, headers={"x-api-key": "key-3"})
+        assert bad.status_code == 401
+    one, two, one_again, two_chat, one_salted = engine.salts.values()
+    assert one == one_again and two == two_chat and one != two
+    assert None not in (one, two, one_salted) and one_salted not in (one, two)
+    assert not any("key-" in str(salt) for salt in engine.salts.values())
+
+
+def test_tenants_by_header(engine: FakeEngine) -> None:
+    app = build_app(engine, MODEL, isolate_tenants="header:X-Tenant")
+    with TestClient(app) as client:
+        for tenant in ("acme", "globex", "acme"):
+            resp = client.post("/v1/completions", json=COMPLETION, headers={"X-Tenant": tenant})
+            assert resp.status_code == 200
+        missing = client.post("/v1/chat/completions", json=CHAT)
+        assert_error(missing, 400, "BadRequestError", "X-Tenant header")
+    acme, globex, acme_again = engine.salts.values()
+    assert acme == acme_again != globex
+
+
+@pytest.mark.parametrize("source", ["api-key", "header:", "tenant"])
+def test_isolate_tenants_needs_a_source(engine: FakeEngine, source: str) -> None:
+    with pytest.raises(ValueError, match="--isolate-tenants"):
+        build_app(engine, MODEL, isolate_tenants=source)

@@ -210,7 +210,7 @@ class KVPuller:
         xfer_id = next(self._xfer_ids)
         request = PullRequest(
             xfer_id, spec.params["engine_id"], spec.params["request_id"], spec.start,
-            spec.num_tokens,
+            spec.num_tokens, spec.params["prompt_hash"],
         )  # fmt: skip
         if peer.used:
             peer.drain_events()  # a fresh peer's first events tell whether it connects

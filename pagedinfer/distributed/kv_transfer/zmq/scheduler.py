@@ -2,9 +2,10 @@
 `ZmqConnector` facade (`connector.py`) by the scheduler, on the scheduler's thread.
 
 Consumer (decode instance):
-- A request loads remote KV only if its `kv_transfer_params` name a prompt hash equal to
-  the hash of its own first `remote_num_tokens` prompt tokens: it never pulls KV computed
-  for another prompt (through a mismatched or replayed `remote_request_id`).
+- A request loads remote KV only if `trust.check_remote` believes its `kv_transfer_params`:
+  a trusted producer, a valid tag when a transfer secret is set, and a prompt hash equal to
+  the hash of its own first `remote_num_tokens` prompt tokens (it never pulls KV computed
+  for another prompt). The load spec carries that hash: the producer checks it again.
 - It pulls once per request: a preempted request, or one whose load failed, computes its
   prompt. When the local prefix cache already covers the remote tokens, the load spec has
   0 tokens: the worker only releases the producer's hold.
@@ -20,9 +21,10 @@ Producer (prefill instance), for requests with `{"do_remote_decode": true}`:
   without `request_finished` (failed while waiting), quietly.
 - A hold released (read or expired) while its request still decodes on the producer is
   remembered, so that the request's blocks are not held again when it finishes.
+- A hold spec carries the prompt's hash: the server serves it only to a pull naming it.
 - A normally finished held request returns the `kv_transfer_params` the client passes to
   the decode instance: this instance's address, engine id, the request id, the prompt
-  length and its hash.
+  length and its hash, and with a transfer secret their tag (`trust.sign`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from pagedinfer.core.kv_transfer_metadata import KVConnectorMetadata, KVTransferSpec
 from pagedinfer.core.request import RequestStatus
-from pagedinfer.distributed.kv_transfer.storage import token_digest
+from pagedinfer.distributed.kv_transfer.trust import (
+    KVTransferRefused,
+    RemotePrefill,
+    check_remote,
+    prompt_hash,
+    sign,
+    transfer_secret,
+    trusted_producers,
+)
 
 if TYPE_CHECKING:
     from pagedinfer.config import KVTransferConfig
@@ -44,14 +54,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZmqConnectorScheduler", "prompt_hash"]
+__all__ = ["ZmqConnectorScheduler"]
 
 _NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-
-
-def prompt_hash(token_ids: list[int]) -> str:
-    """A digest of prompt token ids (sent in `kv_transfer_params`)."""
-    return token_digest(token_ids)[:32]
 
 
 def _transfer_params(sampling_params: SamplingParams | None) -> dict[str, Any]:
@@ -60,72 +65,15 @@ def _transfer_params(sampling_params: SamplingParams | None) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
-@dataclass
-class _Remote:
-    """Where a decode request's prompt KV is held (its `kv_transfer_params`)."""
-
-    host: str
-    port: int
-    engine_id: str
-    request_id: str
-    num_tokens: int
-    prompt_hash: str
-    """Of the producer's prompt tokens: a decode request only pulls KV computed for its own
-    prompt (not another's, through a mismatched or replayed `remote_request_id`)."""
-
-    @classmethod
-    def of(cls, request: Request) -> _Remote | None:
-        """`request`'s remote prompt KV, if its params name one computed for its prompt."""
-        remote = cls.parse(request.kv_transfer_params)
-        if remote is None:
-            return None
-        prompt = request.prompt_token_ids
-        if remote.num_tokens > len(prompt) or prompt_hash(prompt[: remote.num_tokens]) != (
-            remote.prompt_hash
-        ):
-            logger.warning(
-                "kv_transfer_params of request %s name KV of another prompt: computing the "
-                "prompt locally", request.request_id,
-            )  # fmt: skip
-            return None
-        return remote
-
-    @classmethod
-    def parse(cls, params: dict[str, Any] | None) -> _Remote | None:
-        if not params or params.get("do_remote_prefill") is not True:
-            return None
-        try:
-            remote = cls(
-                host=params["remote_host"],
-                port=params["remote_port"],
-                engine_id=params.get("remote_engine_id") or "",
-                request_id=params["remote_request_id"],
-                num_tokens=params["remote_num_tokens"],
-                prompt_hash=params["remote_prompt_hash"],
-            )
-        except KeyError as exc:
-            logger.warning("kv_transfer_params without %s: computing the prompt locally", exc)
-            return None
-        if not (
-            isinstance(remote.host, str)
-            and type(remote.port) is int
-            and isinstance(remote.engine_id, str)
-            and isinstance(remote.request_id, str)
-            and type(remote.num_tokens) is int
-            and isinstance(remote.prompt_hash, str)
-        ):
-            logger.warning("malformed kv_transfer_params %s: computing the prompt locally", params)
-            return None
-        return remote
-
-    def as_params(self) -> dict[str, Any]:
-        """The load spec's `params`, read by the worker's puller."""
-        return {
-            "host": self.host,
-            "port": self.port,
-            "engine_id": self.engine_id,
-            "request_id": self.request_id,
-        }
+def _remote(kv_config: KVTransferConfig, request: Request) -> RemotePrefill | None:
+    """`request`'s remote prompt KV, if its params name KV this instance may load
+    (`trust.check_remote`). The front end refused or stripped any other already; this is the
+    engine's own check, for requests that reach it another way."""
+    try:
+        return check_remote(request.kv_transfer_params, kv_config, request.prompt_token_ids)
+    except KVTransferRefused as exc:
+        logger.warning("request %s: %s; computing the prompt locally", request.request_id, exc)
+        return None
 
 
 @dataclass
@@ -133,6 +81,7 @@ class _Watch:
     """A do_remote_decode request whose prompt is not complete yet."""
 
     num_prompt_tokens: int
+    prompt_hash: str
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -147,6 +96,8 @@ class ZmqConnectorScheduler:
         self.kv_config = kv_config
         self.engine_id = engine_id
         self.block_size = block_size
+        self._secret = transfer_secret(kv_config)
+        trusted_producers(kv_config)  # a malformed list fails the start, not each request
         # Consumer: loads for this step, loads in flight.
         self._pending_loads: list[KVTransferSpec] = []
         self._loads_in_flight: set[str] = set()
@@ -164,7 +115,7 @@ class ZmqConnectorScheduler:
         if not self.kv_config.is_kv_consumer or request.num_preemptions:
             # A preempted request loaded its KV before (the hold is gone): recompute.
             return 0, False
-        remote = _Remote.of(request)
+        remote = _remote(self.kv_config, request)
         if remote is None or remote.num_tokens <= num_computed_tokens:
             return 0, False
         return remote.num_tokens - num_computed_tokens, True
@@ -179,7 +130,7 @@ class ZmqConnectorScheduler:
             or request.num_computed_tokens > 0  # admitted again once its load arrived
         ):
             return
-        remote = _Remote.of(request)
+        remote = _remote(self.kv_config, request)
         if remote is None:
             return
         # The scheduler clamped our count to leave the last prompt token to compute: the
@@ -229,7 +180,11 @@ class ZmqConnectorScheduler:
         computed_before: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             if _transfer_params(new.sampling_params).get("do_remote_decode") is True:
-                self._watched[new.req_id] = _Watch(len(new.prompt_token_ids), list(new.block_ids))
+                self._watched[new.req_id] = _Watch(
+                    len(new.prompt_token_ids),
+                    prompt_hash(new.prompt_token_ids),
+                    list(new.block_ids),
+                )
                 computed_before[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -244,7 +199,13 @@ class ZmqConnectorScheduler:
             del self._watched[req_id]
             num_blocks = -(-watch.num_prompt_tokens // self.block_size)
             meta.holds.append(
-                KVTransferSpec(req_id, watch.block_ids[:num_blocks], 0, watch.num_prompt_tokens)
+                KVTransferSpec(
+                    req_id,
+                    watch.block_ids[:num_blocks],
+                    0,
+                    watch.num_prompt_tokens,
+                    params={"prompt_hash": watch.prompt_hash},
+                )
             )
             self._holding.add(req_id)
             self._released_early.discard(req_id)
@@ -279,12 +240,17 @@ class ZmqConnectorScheduler:
             self._pending_cancels.append(_cancel_spec(req_id, report=True))
             return True, None
         kv = self.kv_config
-        return True, {
+        hash_ = prompt_hash(request.prompt_token_ids)
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
             "remote_host": kv.kv_ip,
             "remote_port": kv.kv_port,
             "remote_request_id": req_id,
             "remote_num_tokens": request.num_prompt_tokens,
-            "remote_prompt_hash": prompt_hash(request.prompt_token_ids),
+            "remote_prompt_hash": hash_,
         }
+        if self._secret is not None:
+            params["remote_tag"] = sign(self._secret, self.engine_id, kv.kv_ip, kv.kv_port,
+                                        req_id, request.num_prompt_tokens, hash_)  # fmt: skip
+        return True, params

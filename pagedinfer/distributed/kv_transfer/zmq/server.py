@@ -9,6 +9,8 @@ Invariants:
   pullable (`add_holds`) only after the forward pass wrote its KV, and is read once: the
   pull moves it from `_holds` to `_serving` under the lock, and the KV is gathered outside
   it; when the reply is built, the request is reported released (unless cancelled).
+- A pull is served only if it names the hash of the held prompt; a refused pull leaves the
+  hold for its own reader.
 - A hold whose lease (`deadline`) passed is refused to a pull and reported, with the
   served ones, by `take_finished` (the scheduler frees the blocks on that report).
 - `cancel`: an unread hold is dropped (reported or not, as the spec says). A hold being
@@ -54,6 +56,8 @@ class _Hold:
 
     block_ids: list[int]
     num_tokens: int
+    prompt_hash: str
+    """Of the held prompt: served only to a pull naming it (`trust.py`)."""
     deadline: float
     cancelled: bool = False
 
@@ -99,7 +103,12 @@ class KVServer:
         """Make these prompts' KV pullable until `deadline` (monotonic)."""
         with self._lock:
             for spec in specs:
-                self._holds[spec.req_id] = _Hold(list(spec.block_ids), spec.num_tokens, deadline)
+                self._holds[spec.req_id] = _Hold(
+                    list(spec.block_ids),
+                    spec.num_tokens,
+                    str(spec.params.get("prompt_hash", "")),
+                    deadline,
+                )
 
     def cancel(self, specs: list[KVTransferSpec]) -> None:
         """Apply cancel specs (`params["report"]`: report the request as released)."""
@@ -181,6 +190,10 @@ class KVServer:
             hold = self._holds.get(req_id)
             if hold is None or time.monotonic() >= hold.deadline:
                 return error(f"no KV held for request {req_id!r} (unknown or expired)")
+            if request.prompt_hash != hold.prompt_hash:
+                # Another prompt's pull (a forged or mixed-up request id): the hold stays
+                # for its own reader.
+                return error(f"request {req_id!r} holds the KV of another prompt")
             start, num_tokens = request.start, request.num_tokens
             if start < 0 or num_tokens < 0 or start + num_tokens > hold.num_tokens:
                 return error(

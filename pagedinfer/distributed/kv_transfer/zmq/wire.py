@@ -4,8 +4,11 @@ consumer's load threads (`puller.py`).
 ZMQ DEALER on the decode side, ROUTER bound to `tcp://{kv_ip}:{kv_port}` on the prefill
 side; msgspec msgpack structs, never pickle:
 
-- pull: one frame, `PullRequest(xfer_id, engine_id, request_id, start, num_tokens)`.
-  `num_tokens == 0` only releases the hold (the decode side had nothing to load).
+- pull: one frame, `PullRequest(xfer_id, engine_id, request_id, start, num_tokens,
+  prompt_hash)`. `num_tokens == 0` only releases the hold (the decode side had nothing to
+  load). `prompt_hash` is the hash of the decode side's own prompt: the producer serves a
+  hold only to a pull naming the hash of the prompt it holds (a mismatch is refused and
+  leaves the hold for its own reader).
 - reply: `PullReply(xfer_id, error, layer_names, shape, dtype, checksums)`, then one raw
   frame per layer (in `layer_names` order): the `shape = [2, n, kv_heads, head_dim]` K and
   V of the tokens, gathered from the held blocks, in the producer's cache dtype; each with
@@ -56,6 +59,7 @@ class PullRequest(msgspec.Struct, frozen=True):
     request_id: str
     start: int
     num_tokens: int
+    prompt_hash: str
 
 
 class PullReply(msgspec.Struct):
