@@ -279,6 +279,14 @@ class Tokenizer:
         BPE), "▁world" or a byte "<0xE4>" (SentencePiece)."""
         return [self.backend.id_to_token(i) or "" for i in ids]
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's length in characters of its vocabulary entry. No token stands
+        for more characters of text than that (a byte-level entry has one character per
+        byte; a SentencePiece entry one per character, or more for a byte token), which
+        bounds from below how many tokens a text needs (`serving_engine.check_text_fits`)."""
+        return max((len(piece) for piece in self.backend.get_vocab()), default=1)
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""

@@ -15,7 +15,11 @@ from pagedinfer.config import StructuredOutputsConfig
 from pagedinfer.core.messages import EngineCoreRequest
 from pagedinfer.distributed.kv_transfer.trust import KVTransferRefused, check_remote
 from pagedinfer.pooling_params import PoolingParams
-from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
+from pagedinfer.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedinfer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -72,6 +76,9 @@ class InputProcessor:
             token_ids = token_ids[-keep:]  # the end of the prompt: what the answer continues
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         self._validate(token_ids, params)
+        if params.structured_outputs is not None:
+            # Before the copy below: a spec nested 500 deep is a RecursionError in deepcopy.
+            _check_spec_bounds(params.structured_outputs)
         params = params.clone()
         if params.extra_args and "kv_transfer_params" in params.extra_args:
             self._check_kv_transfer_params(request_id, token_ids, params)
@@ -240,6 +247,16 @@ def pooling_sampling_params(truncate_prompt_tokens: int | None = None) -> Sampli
         output_kind=RequestOutputKind.FINAL_ONLY,
         truncate_prompt_tokens=truncate_prompt_tokens,
     )
+
+
+def _check_spec_bounds(so: StructuredOutputsParams) -> None:
+    """ValueError naming the field of a structured-outputs spec too deep or too long."""
+    from pagedinfer.structured_output.specs import check_spec_bounds
+
+    for name in ("json", "regex", "choice", "grammar", "structural_tag"):
+        value = getattr(so, name)
+        if value is not None:
+            check_spec_bounds(f"structured outputs {name}", value)
 
 
 def _check_pooling(params: SamplingParams) -> None:

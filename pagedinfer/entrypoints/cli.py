@@ -161,6 +161,26 @@ def _add_serving_parsers(sub: Any) -> None:
         "clients such as lm-evaluation-harness use to tokenize through the server.",
     )
     serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 << 20,
+        help="The largest request body taken (a 413 beyond; default 8 MiB).",
+    )
+    serve.add_argument(
+        "--client-timeout-s",
+        type=float,
+        default=30.0,
+        help="Time a client has to send a request's head, and then its body (default 30): "
+        "the connection is closed (head) or answered 408 (body) after it.",
+    )
+    serve.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="Prompts (or embedding inputs) times n in one request (a 400 beyond; default "
+        "256): one request cannot fill the engine alone.",
+    )
+    serve.add_argument(
         "--trust-kv-transfer-params",
         action="store_true",
         help="Take clients' kv_transfer_params without a transfer secret: only for an "
@@ -409,6 +429,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         build_app,
         check_tenant_source,
     )
+    from pagedinfer.entrypoints.openai.http_limits import protocol_with_head_timeout
     from pagedinfer.tokenizer import read_chat_template
 
     try:
@@ -440,6 +461,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             engine.config.kv_transfer_config, ns.trust_kv_transfer_params
         ),
         isolate_tenants=ns.isolate_tenants,
+        max_sequences_per_request=ns.max_sequences_per_request,
+        max_request_bytes=ns.max_request_bytes,
+        client_timeout_s=ns.client_timeout_s,
     )
     curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"
@@ -447,7 +471,15 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         + f' -d \'{{"model": "{name}", "messages": [{{"role": "user", '
         f'"content": "Name three colours."}}], "max_tokens": 40}}\''
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=ns.host,
+            port=ns.port,
+            log_level="warning",
+            http=protocol_with_head_timeout(ns.client_timeout_s),
+        )
+    )
 
     async def run() -> None:
         task = asyncio.ensure_future(server.serve())

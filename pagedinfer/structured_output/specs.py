@@ -10,9 +10,11 @@ A spec is a `StructuredOutputKey`: its kind (`StructuredOutputOptions`) and its 
   `start` rule (`:` definitions); see `grammar_is_lark`;
 - STRUCTURAL_TAG: vLLM's `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`.
 
-The `parse_*` functions raise `StructuredOutputSpecError` (a ValueError) naming what is wrong
-with a spec. `forbid_additional_properties` and `exact_date_formats` rewrite a JSON schema
-before a backend compiles it; `iter_schema_nodes` walks its subschemas.
+`check_spec_bounds` refuses a spec too deep or too long before anything recurses over it
+(a copy, a backend's compiler). The `parse_*` functions raise `StructuredOutputSpecError`
+(a ValueError) naming what is wrong with a spec. `forbid_additional_properties` and
+`exact_date_formats` rewrite a JSON schema before a backend compiles it;
+`iter_schema_nodes` walks its subschemas.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ from typing import Any
 
 __all__ = [
     "EXACT_FORMAT_PATTERNS",
+    "MAX_SPEC_CHARS",
+    "MAX_SPEC_DEPTH",
     "StructuredOutputKey",
     "StructuredOutputOptions",
     "StructuredOutputSpecError",
     "canonical_spec",
+    "check_spec_bounds",
     "choice_alternatives",
     "exact_date_formats",
     "forbid_additional_properties",
@@ -56,6 +61,58 @@ StructuredOutputKey = tuple[StructuredOutputOptions, str]
 
 class StructuredOutputSpecError(ValueError):
     """A spec is invalid, or a backend cannot take it; the message names the problem."""
+
+
+MAX_SPEC_DEPTH = 64
+"""Nesting levels of a spec: JSON objects and arrays (a schema's subschema is two: its
+"properties" object and the subschema), or brackets of a regex or grammar string."""
+MAX_SPEC_CHARS = 256 << 10
+"""Characters of a spec (a JSON spec as serialized)."""
+
+
+def check_spec_bounds(name: str, spec: Any) -> None:
+    """StructuredOutputSpecError when `spec` (a structured-outputs field's value: a dict, a
+    list, a string) nests deeper than `MAX_SPEC_DEPTH` or is longer than `MAX_SPEC_CHARS`.
+    Iterative: a spec nested 100,000 deep is refused without a RecursionError."""
+    if isinstance(spec, str):
+        if len(spec) > MAX_SPEC_CHARS:
+            raise StructuredOutputSpecError(
+                f"{name}: {len(spec)} characters; at most {MAX_SPEC_CHARS} are taken"
+            )
+        depth = deepest = 0
+        for ch in spec:  # brackets of any kind, quoted or not: a bound, not a parse
+            if ch in "([{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif ch in ")]}" and depth:
+                depth -= 1
+    else:
+        deepest, size = 0, 0
+        stack: list[tuple[Any, int]] = [(spec, 1)]
+        while stack:
+            node, depth = stack.pop()
+            if isinstance(node, dict):
+                deepest = max(deepest, depth)
+                items = list(node.values())
+                size += sum(len(str(k)) + 4 for k in node)
+            elif isinstance(node, list):
+                deepest = max(deepest, depth)
+                items = node
+            else:
+                size += len(str(node)) + 2
+                continue
+            if deepest > MAX_SPEC_DEPTH or size > MAX_SPEC_CHARS:
+                break
+            stack.extend((item, depth + 1) for item in items)
+        if size > MAX_SPEC_CHARS:
+            raise StructuredOutputSpecError(
+                f"{name}: more than {MAX_SPEC_CHARS} characters; at most that many are taken"
+            )
+    if deepest > MAX_SPEC_DEPTH:
+        raise StructuredOutputSpecError(
+            f"{name}: nested more than {MAX_SPEC_DEPTH} levels deep; at most {MAX_SPEC_DEPTH} "
+            "are taken"
+        )
 
 
 def canonical_spec(kind: StructuredOutputOptions, spec: str | list[str] | dict[str, Any]) -> str:

@@ -4,11 +4,19 @@ HTTP on loopback (issue 24).
 - Tenants: with `--isolate-tenants api-key`, two API keys sending the same prefix share no
   cached blocks (the second sees `cached_tokens: 0`); a request's own `cache_salt` does the
   same between requests of one key.
+- Hostile inputs, each its documented 4xx while `/health` answers within 0.5 s throughout,
+  and never a traceback in the log: schemas nested 300 deep (every guided-decoding field), a
+  body nested 100,000 deep, a 10 MB body (413), a 5 MB prompt (400 before tokenizing), 2,000
+  prompts and 64 prompts x n=16 (400), clients that send half a head (closed) or half a body
+  (408) and keep the connection open.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +29,7 @@ from tests.integration.server_proc import ServerProcess, small_engine_flags
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 KEYS = ("key-of-tenant-one", "key-of-tenant-two")
+CLIENT_TIMEOUT_S = 2.0
 PREFIX = (
     "You are the assistant of a company whose internal codename for the next product is "
     "Bluefin. Answer questions about the schedule briefly and never reveal the codename. "
@@ -30,7 +39,8 @@ PREFIX = (
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     proc = ServerProcess(*small_engine_flags(512), "--block-size", "16", "--api-key", *KEYS,
-                         "--isolate-tenants", "api-key")  # fmt: skip
+                         "--isolate-tenants", "api-key",
+                         "--client-timeout-s", str(CLIENT_TIMEOUT_S))  # fmt: skip
     yield proc
     proc.stop()
 
@@ -38,9 +48,15 @@ def server() -> Iterator[ServerProcess]:
 def post(
     server: ServerProcess, route: str, body: dict[str, Any], key: str = KEYS[0]
 ) -> tuple[int, dict[str, Any]]:
+    return raw_post(server, route, json.dumps(body).encode(), key)
+
+
+def raw_post(
+    server: ServerProcess, route: str, data: bytes, key: str = KEYS[0]
+) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(
         server.base + route,
-        json.dumps(body).encode(),
+        data,
         {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
     )
     try:
@@ -78,3 +94,112 @@ def test_cache_salt_separates_requests_of_one_tenant(server) -> None:
         status, out = post(server, "/v1/chat/completions", body, one)
         assert status == 200, out
         assert (out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) == expected_hit
+
+
+class HealthWatch:
+    """Polls `/health` every 50 ms on a thread; `worst` is the slowest answer (in s)."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.url = server.base + "/health"
+        self.times: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            start = time.monotonic()
+            with urllib.request.urlopen(self.url, timeout=30) as resp:
+                assert resp.status == 200
+            self.times.append(time.monotonic() - start)
+            time.sleep(0.05)
+
+    def __enter__(self) -> HealthWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    @property
+    def worst(self) -> float:
+        return max(self.times)
+
+
+def deep_schema(depth: int) -> str:
+    """A JSON schema of `depth` nested objects, as JSON text (too deep for json.dumps)."""
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+def test_hostile_bodies_get_their_4xx_and_health_stays_fast(server) -> None:
+    deep = deep_schema(300)  # 600 JSON levels: parsed, then too deep for a copy
+    chat = '"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4'
+    completion = {"prompt": "hi", "max_tokens": 4}
+    cases: list[tuple[str, str, bytes, int, str]] = [
+        ("guided_json", "/v1/completions",
+         f'{{"prompt": "hi", "max_tokens": 4, "guided_json": {deep}}}'.encode(), 400, "nested"),
+        ("response_format", "/v1/chat/completions",
+         f'{{{chat}, "response_format": {{"type": "json_schema", "json_schema": '
+         f'{{"name": "deep", "schema": {deep}}}}}}}'.encode(), 400, "nested"),
+        ("structured_outputs", "/v1/chat/completions",
+         f'{{{chat}, "structured_outputs": {{"json": {deep}}}}}'.encode(), 400, "nested"),
+        ("a body nested 100,000 deep", "/v1/completions",
+         b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+         "parsing the body"),
+        ("a 10 MB body", "/v1/completions",
+         json.dumps({**completion, "prompt": "word " * 2_000_000}).encode(), 413, "bytes"),
+        ("a 5 MB prompt", "/v1/completions",
+         json.dumps({**completion, "prompt": "word " * 1_000_000}).encode(), 400,
+         "cannot fit"),
+        ("a 5 MB chat message", "/v1/chat/completions",
+         f'{{"messages": [{{"role": "user", "content": "{"word " * 1_000_000}"}}]}}'.encode(),
+         400, "cannot fit"),
+        ("2,000 prompts", "/v1/completions",
+         json.dumps({**completion, "prompt": ["hi"] * 2000}).encode(), 400,
+         "--max-sequences-per-request"),
+        ("64 prompts x n=16", "/v1/completions",
+         json.dumps({**completion, "prompt": ["hi"] * 64, "n": 16}).encode(), 400,
+         "--max-sequences-per-request"),
+    ]  # fmt: skip
+    with HealthWatch(server) as health:
+        for what, route, data, status, words in cases:
+            got, body = raw_post(server, route, data)
+            assert got == status, (what, body)
+            assert words in body["error"]["message"], (what, body)
+            assert body["error"]["code"] == status
+        assert cached(server, KEYS[0], "Still there?") >= 0  # it still serves
+    assert health.worst < 0.5, health.times
+    assert "Traceback" not in server.log()
+
+
+def test_slow_clients_are_cut_off(server) -> None:
+    """Clients that send half a request head, or a head and half its body, and wait: the
+    first are disconnected, the second answered 408, both after `--client-timeout-s`; 50
+    of each meanwhile do not slow `/health`."""
+    heads, bodies = [], []
+    with HealthWatch(server) as health:
+        for _ in range(50):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+            heads.append(sock)
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nAuthorization: Bearer " + KEYS[0].encode() + b"\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "'
+            )
+            bodies.append(sock)
+        time.sleep(CLIENT_TIMEOUT_S + 2)
+    assert health.worst < 0.5, health.times
+    for sock in heads:
+        sock.settimeout(5)
+        assert sock.recv(1024) == b""  # closed without an answer
+        sock.close()
+    for sock in bodies:
+        sock.settimeout(5)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"did not arrive" in answer
+        sock.close()

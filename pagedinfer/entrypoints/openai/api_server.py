@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -38,6 +39,11 @@ from pagedinfer.entrypoints.anthropic.serving_messages import (
     AnthropicServingMessages,
     MessagesRequest,
     anthropic_error,
+)
+from pagedinfer.entrypoints.openai.http_limits import (
+    DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    RequestBodyLimits,
 )
 from pagedinfer.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -61,11 +67,14 @@ from pagedinfer.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedinfer.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedinfer.entrypoints.openai.serving_engine import (
     EngineClient,
+    ServingOptions,
     error_response,
     json_response,
 )
 from pagedinfer.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedinfer.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL_NAME", "build_app", "check_tenant_source"]
 
@@ -260,6 +269,29 @@ async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Respo
     return await call_next(request)
 
 
+async def _no_tracebacks(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    """An exception no handler answered becomes OpenAI's error shape (Anthropic's on its
+    route) and one log line, not a plain-text 500 and a traceback per request: a
+    RecursionError (a body or field nested too deeply for a copy or a parser) is the
+    client's 400, anything else our 500. The server keeps serving either way."""
+    try:
+        return await call_next(request)
+    except Exception as exc:
+        if isinstance(exc, RecursionError):
+            status, text = 400, "The request is nested too deeply."
+        else:
+            status, text = 500, f"Internal error ({type(exc).__name__}); see the server log."
+        logger.error(
+            "%s %s -> %d: %s: %s",
+            request.method, request.url.path, status, type(exc).__name__, str(exc)[:200],
+        )  # fmt: skip
+        if request.url.path == "/v1/messages":
+            return anthropic_error(status, text)
+        return error_response(status, text)
+
+
 async def _request_id(
     request: Request, call_next: Callable[[Request], Awaitable[Response]]
 ) -> Response:
@@ -284,6 +316,9 @@ def build_app(
     enable_tokenizer_info: bool = False,
     accept_kv_transfer_params: bool = False,
     isolate_tenants: str | None = None,
+    max_sequences_per_request: int = 256,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
 ) -> FastAPI:
     """The app over `engine_client` (an `AsyncLLM`); with `shutdown_engine`, the app's
     lifespan ends it (so the engine process goes with the server however the ASGI server is
@@ -295,7 +330,10 @@ def build_app(
     `--trust-kv-transfer-params`; see `distributed/kv_transfer/trust.py`). `api_key`: one
     key or several (one per tenant); `isolate_tenants` ("api-key", or "header:NAME") salts
     every request's prefix-cache blocks with its tenant (`serving_engine.prefix_salt`), so
-    tenants share no blocks. ValueError for "api-key" without keys. Adds the
+    tenants share no blocks. ValueError for "api-key" without keys. A request may ask for
+    `max_sequences_per_request` sequences (prompts x n) and send `max_request_bytes` of
+    body within `client_timeout_s` (`http_limits.py`; the head's timeout is uvicorn's
+    protocol's, set by `serve`). Adds the
     app's Prometheus logger to the engine's `stat_loggers`."""
 
     @contextlib.asynccontextmanager
@@ -308,8 +346,12 @@ def build_app(
     app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_middleware(
+        RequestBodyLimits, max_bytes=max_request_bytes, timeout_s=client_timeout_s
+    )  # innermost: after the auth check
     app.middleware("http")(_auth)
-    app.middleware("http")(_request_id)  # outermost: it also tags the 401s
+    app.middleware("http")(_no_tracebacks)
+    app.middleware("http")(_request_id)  # outermost: it also tags the 401s and 500s
 
     state = app.state
     state.engine_client = engine_client
@@ -321,8 +363,9 @@ def build_app(
     state.created = int(time.time())
     state.metrics = PrometheusStatLogger(model_name, engine_client.max_model_len)
     engine_client.stat_loggers.append(state.metrics)
+    options = ServingOptions(accept_kv_transfer_params, max_sequences_per_request)
     state.openai_serving_completion = OpenAIServingCompletion(
-        engine_client, model_name, accept_kv_transfer_params=accept_kv_transfer_params
+        engine_client, model_name, options=options
     )
     state.openai_serving_chat = OpenAIServingChat(
         engine_client,
@@ -331,9 +374,11 @@ def build_app(
         tool_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
-        accept_kv_transfer_params=accept_kv_transfer_params,
+        options=options,
     )
-    state.openai_serving_embedding = OpenAIServingEmbedding(engine_client, model_name)
+    state.openai_serving_embedding = OpenAIServingEmbedding(
+        engine_client, model_name, options=options
+    )
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.anthropic_serving_messages = AnthropicServingMessages(state.openai_serving_chat)
     state.openai_serving_tokenization = OpenAIServingTokenization(

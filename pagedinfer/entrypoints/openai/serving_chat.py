@@ -15,9 +15,10 @@ routed by `api_server.py`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi.responses import Response, StreamingResponse
@@ -44,9 +45,12 @@ from pagedinfer.entrypoints.openai.reasoning import (
     split_reasoning,
 )
 from pagedinfer.entrypoints.openai.serving_engine import (
+    DEFAULT_OPTIONS,
     EngineClient,
     OpenAIServing,
+    ServingOptions,
     check_room,
+    check_text_fits,
     error_response,
     failure,
     json_response,
@@ -130,14 +134,9 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
-        accept_kv_transfer_params: bool = False,
+        options: ServingOptions = DEFAULT_OPTIONS,
     ) -> None:
-        super().__init__(
-            engine_client,
-            model_name,
-            chat_template,
-            accept_kv_transfer_params=accept_kv_transfer_params,
-        )
+        super().__init__(engine_client, model_name, chat_template, options=options)
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"--tool-call-parser {tool_parser!r}: not one of {', '.join(TOOL_PARSERS)}"
@@ -166,7 +165,14 @@ class OpenAIServingChat(OpenAIServing):
             return error_response(400, str(exc), "tool_choice")
         try:
             messages = [template_message(m) for m in request.messages]
-            prompt_ids = self._render(messages, plan, request)
+            if request.truncate_prompt_tokens is None:
+                chars = sum(
+                    len(m["content"]) for m in messages if isinstance(m.get("content"), str)
+                )
+                check_text_fits(chars, self.engine_client.max_model_len,
+                                self.tokenizer.max_token_chars, "messages")  # fmt: skip
+            # Templating and tokenizing off the event loop: the streams on it keep flowing.
+            prompt_ids = await asyncio.to_thread(self._render, messages, plan, request)
             top_n = request.top_logprobs or 0
             params = to_sampling_params(
                 request,
@@ -234,18 +240,7 @@ class OpenAIServingChat(OpenAIServing):
         variables = template_variables(request.chat_template_kwargs)
 
         def render(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-            extra = {"tools": tools} if tools else {}
-            return cast(
-                "list[int]",
-                self.tokenizer.apply_chat_template(
-                    msgs,
-                    add_generation_prompt=request.add_generation_prompt,
-                    tokenize=True,
-                    chat_template=self.chat_template,
-                    **variables,
-                    **extra,
-                ),
-            )
+            return self.render_chat(msgs, request.add_generation_prompt, variables, tools)
 
         ids = render(messages, plan.template_tools)
         if plan.fallback_system is None or ids != render(messages, None):

@@ -126,6 +126,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = [prompts]  # type: ignore[assignment]
         if not prompts:
             return error_response(400, "prompt: at least one prompt is needed", "prompt")
+        if (too_many := self.check_sequences(len(prompts), request.n)) is not None:
+            return too_many
         if request.stream and len(prompts) > 1:
             return error_response(400, "prompt: streaming takes one prompt", "prompt")
         if request.kv_transfer_params is not None and len(prompts) > 1:
@@ -147,11 +149,20 @@ class OpenAIServingCompletion(OpenAIServing):
             return error_response(400, str(exc))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         salt = prefix_salt(raw_request, request.cache_salt)
-        inputs: list[PromptType] = [
-            salted({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}, salt)
-            for p in prompts
-        ]
         try:
+            texts = [p for p in prompts if isinstance(p, str)]
+            encoded = iter(
+                await self.encode_prompts(texts, params.truncate_prompt_tokens is not None)
+            )
+            inputs: list[PromptType] = [
+                salted(
+                    {"prompt": p, "prompt_token_ids": next(encoded)}
+                    if isinstance(p, str)
+                    else {"prompt_token_ids": p},
+                    salt,
+                )
+                for p in prompts
+            ]
             # Every prompt validated before any runs: a bad one fails the request alone.
             for i, prompt in enumerate(inputs):
                 check, _ = self.engine_client.input_processor.process(

@@ -64,13 +64,23 @@ class OpenAIServingEmbedding(OpenAIServing):
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
         if not items:
             return error_response(400, "input: at least one input is needed", "input")
+        if (too_many := self.check_sequences(len(items))) is not None:
+            return too_many
         salt = prefix_salt(raw_request, None)
-        inputs: list[PromptType] = [
-            salted({"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)}, salt)  # type: ignore[arg-type]
-            for x in items
-        ]
         request_id = f"embd-{uuid.uuid4().hex}"
         try:  # the options, then every input, validated before any runs
+            texts = [x for x in items if isinstance(x, str)]
+            truncating = request.truncate_prompt_tokens is not None
+            encoded = iter(await self.encode_prompts(texts, truncating))
+            inputs: list[PromptType] = [
+                salted(
+                    {"prompt": x, "prompt_token_ids": next(encoded)}
+                    if isinstance(x, str)
+                    else {"prompt_token_ids": list(x)},  # type: ignore[arg-type]
+                    salt,
+                )
+                for x in items
+            ]
             pooling = PoolingParams(pooling_type=request.pooling_type, normalize=request.normalize)
             params = pooling_sampling_params(request.truncate_prompt_tokens)
             for i, prompt in enumerate(inputs):

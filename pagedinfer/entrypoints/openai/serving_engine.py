@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.encoders import jsonable_encoder
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EngineClient",
     "check_room",
+    "check_text_fits",
     "OpenAIServing",
     "chat_text",
     "error_response",
@@ -55,6 +57,8 @@ __all__ = [
     "request_structured_outputs",
     "template_message",
     "template_variables",
+    "DEFAULT_OPTIONS",
+    "ServingOptions",
     "prefix_salt",
     "salted",
     "to_sampling_params",
@@ -71,6 +75,7 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     422: "BadRequestError",
@@ -237,6 +242,19 @@ def prefix_salt(raw_request: Request, cache_salt: str | None) -> str | None:
 def salted(prompt: dict[str, Any], salt: str | None) -> dict[str, Any]:
     """`prompt` (a prompt dict) with `salt` as its `cache_salt`, when there is one."""
     return prompt if salt is None else {**prompt, "cache_salt": salt}
+
+
+def check_text_fits(num_chars: int, max_model_len: int, max_token_chars: int, what: str) -> None:
+    """ValueError (a 400) for a text of `num_chars` characters that needs more than
+    `max_model_len` tokens however it is tokenized: no token stands for more than
+    `max_token_chars` characters (`Tokenizer.max_token_chars`; twice that here, a margin
+    for normalizers that merge characters). Cheap: such a text is refused before it is
+    tokenized (10 MB would take ~10 s of CPU)."""
+    if num_chars > 2 * max_token_chars * max_model_len:
+        raise ValueError(
+            f"{what}: {num_chars} characters cannot fit in this model's maximum context "
+            f"length of {max_model_len} tokens"
+        )
 
 
 def check_room(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -426,6 +444,19 @@ async def watched(raw_request: Request, awaitable: Awaitable[T]) -> T | Response
 # ------------------------------------------------------------------------- the base class
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide options the endpoint handlers read (the `serve` flags of the same names)."""
+
+    accept_kv_transfer_params: bool = False
+    """Take clients' `kv_transfer_params` (`trust.accepts_client_params`)."""
+    max_sequences_per_request: int = 256
+    """Prompts (or embedding inputs) times `n` in one request."""
+
+
+DEFAULT_OPTIONS = ServingOptions()
+
+
 class OpenAIServing:
     """One endpoint's handler over the engine client: model-name checks and streaming."""
 
@@ -435,21 +466,68 @@ class OpenAIServing:
         model_name: str,
         chat_template: str | None = None,
         *,
-        accept_kv_transfer_params: bool = False,
+        options: ServingOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.engine_client = engine_client
         self.model_name = model_name
         self.tokenizer = engine_client.tokenizer
         self.chat_template = chat_template
         """`--chat-template`: used instead of the model's own for chat requests."""
-        self.accept_kv_transfer_params = accept_kv_transfer_params
-        """Whether clients may send `kv_transfer_params` (`trust.accepts_client_params`)."""
+        self.options = options
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        variables: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The token ids of `messages` under the chat template (`--chat-template` or the
+        model's), with the template `variables` and `tools`. Blocking: call off the loop."""
+        extra = {"tools": tools} if tools else {}
+        return cast(
+            "list[int]",
+            self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                chat_template=self.chat_template,
+                **variables,
+                **extra,
+            ),
+        )
+
+    async def encode_prompts(self, texts: list[str], truncating: bool) -> list[list[int]]:
+        """The token ids of text prompts, encoded on a worker thread (the tokenizer releases
+        the GIL), so a long prompt does not stall the event loop and every stream on it.
+        Unless the request truncates its prompt, a text that cannot fit the model is a
+        ValueError first, without encoding (`check_text_fits`)."""
+        if not truncating:
+            for text in texts:
+                check_text_fits(len(text), self.engine_client.max_model_len,
+                                self.tokenizer.max_token_chars, "prompt")  # fmt: skip
+        if not texts:
+            return []
+        return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
+
+    def check_sequences(self, num_prompts: int, n: int = 1) -> JSONResponse | None:
+        """A 400 when a request asks for more sequences (prompts x n) than
+        `--max-sequences-per-request`: one request must not occupy the engine alone."""
+        cap = self.options.max_sequences_per_request
+        if num_prompts * n <= cap:
+            return None
+        return error_response(
+            400,
+            f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; this server "
+            f"takes at most {cap} per request (--max-sequences-per-request)",
+            "prompt" if n == 1 else "n",
+        )
 
     def refuse_kv_transfer_params(self, request: SamplingFields) -> JSONResponse | None:
         """A 400 for client `kv_transfer_params` on a server that does not take them: with
         no transfer secret they would choose which host the engine connects to and which
         KV it loads for the prompt (`distributed/kv_transfer/trust.py`)."""
-        if request.kv_transfer_params is None or self.accept_kv_transfer_params:
+        if request.kv_transfer_params is None or self.options.accept_kv_transfer_params:
             return None
         return error_response(
             400,

@@ -10,7 +10,8 @@ vLLM's (it shows the chat template). Built and routed by `api_server.py`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+import asyncio
+from typing import TYPE_CHECKING
 
 from pagedinfer.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -42,20 +43,8 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             return error_response(400, "Give exactly one of 'prompt' and 'messages'.", "prompt")
         try:
-            if request.messages is not None:
-                messages = [template_message(m) for m in request.messages]
-                ids = cast(
-                    "list[int]",
-                    self.tokenizer.apply_chat_template(
-                        messages,
-                        add_generation_prompt=request.add_generation_prompt,
-                        tokenize=True,
-                        chat_template=self.chat_template,
-                        **template_variables(request.chat_template_kwargs),
-                    ),
-                )
-            else:
-                ids = self.tokenizer.encode(request.prompt or "", request.add_special_tokens)
+            # Off the event loop: a long text must not stall the streams on it.
+            ids = await asyncio.to_thread(self._ids, request)
         except (ValueError, TypeError) as exc:
             param = "messages" if request.messages is not None else "prompt"
             return error_response(400, str(exc), param)
@@ -65,6 +54,13 @@ class OpenAIServingTokenization(OpenAIServing):
         if request.return_token_strs:
             response["token_strs"] = self.tokenizer.convert_ids_to_tokens(list(ids))
         return json_response(response)
+
+    def _ids(self, request: TokenizeRequest) -> list[int]:
+        if request.messages is None:
+            return self.tokenizer.encode(request.prompt or "", request.add_special_tokens)
+        messages = [template_message(m) for m in request.messages]
+        variables = template_variables(request.chat_template_kwargs)
+        return self.render_chat(messages, request.add_generation_prompt, variables)
 
     async def create_detokenize(self, request: DetokenizeRequest) -> Response:
         if (bad := self.check_model(request.model)) is not None:

@@ -28,6 +28,8 @@ REPLIES = ["red green", "blue sky", "gold"]
 class FakeTokenizer:
     """One token per character, its id the code point."""
 
+    max_token_chars = 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(ch) for ch in text]
 
