@@ -154,6 +154,11 @@ class SchedulerConfig:
     """Split prompts longer than the remaining token budget across steps."""
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     """Cap on new tokens one request gets per step (0: no cap)."""
+    step_latency_target_ms: float = Field(default=0.0, ge=0)
+    """While requests are decoding, size each step's prompt tokens from the measured step
+    times so that the step takes about this long: a long prompt then never stalls the
+    streams for a whole chunk (0: off, the offline default, for throughput; `serve`
+    defaults to 250). Needs chunked prefill; not applied under pipeline parallelism."""
     policy: Literal["fcfs", "priority"] = "fcfs"
     """Order of the waiting queue: first come first served, or by request priority."""
 

@@ -20,6 +20,7 @@ from pagedinfer.core.kv_transfer_tracker import KVTransferTracker
 from pagedinfer.core.messages import SchedulerStats, SpecDecodingStats
 from pagedinfer.core.request import Request, RequestStatus
 from pagedinfer.core.request_queue import create_request_queue
+from pagedinfer.core.step_budget import PrefillBudget
 from pagedinfer.core.trace import StepTracer
 
 if TYPE_CHECKING:
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from pagedinfer.structured_output.manager import StructuredOutputManager
 
 __all__ = ["SchedulerState"]
+
+# PrefillBudget's bounds: a step with decodes computes at least this many prompt tokens
+# (prompts progress however heavy the decodes are), and starts from the second before its
+# first measurement.
+_MIN_PREFILL_TOKENS = 32
+_INITIAL_PREFILL_TOKENS = 256
 
 
 class SchedulerState:
@@ -51,6 +58,20 @@ class SchedulerState:
         self.max_model_len = max_model_len
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_running_reqs = scheduler_config.max_num_seqs
+        # Prompt tokens per step while requests decode, sized from measured step times.
+        self.prefill_budget: PrefillBudget | None = None
+        if (
+            scheduler_config.step_latency_target_ms > 0
+            and scheduler_config.enable_chunked_prefill
+            and pipeline_parallel_size == 1  # several batches in flight: no step to time
+        ):
+            self.prefill_budget = PrefillBudget(
+                scheduler_config.step_latency_target_ms / 1000,
+                max_tokens=self.max_num_scheduled_tokens,
+                min_tokens=_MIN_PREFILL_TOKENS,
+                initial=_INITIAL_PREFILL_TOKENS,
+            )
+        self._last_step_prefill_tokens = 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_kv_blocks,
             block_size=cache_config.block_size,

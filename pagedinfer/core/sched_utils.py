@@ -44,6 +44,10 @@ class StepState:
     scheduled_new: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     scheduled_spec: dict[str, list[int]] = field(default_factory=dict)
+    prefill_budget: int = 1 << 62
+    """Prompt tokens this step may still compute (`PrefillBudget`, when requests decode)."""
+    num_prefill_tokens: int = 0
+    """Prompt tokens (and recomputed output tokens) scheduled so far."""
 
 
 class PrefixMatch(NamedTuple):

@@ -73,10 +73,19 @@ class Scheduler(SchedulerState):
         preempted nothing, waiting ones (`_schedule_waiting`); then the output for the
         workers, with `num_computed_tokens` advanced optimistically."""
         step = StepState(self.max_num_scheduled_tokens, self._max_reqs_this_step())
+        if self.prefill_budget is not None and any(_is_decoding(r) for r in self.running):
+            step.prefill_budget = self.prefill_budget.tokens
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
+        self._last_step_prefill_tokens = step.num_prefill_tokens
         return self._build_output(step)
+
+    def observe_step_time(self, seconds: float) -> None:
+        """The engine core timed the step `schedule()` last returned (forward and
+        sampling): the prompt-token budget of steps with decodes follows it."""
+        if self.prefill_budget is not None:
+            self.prefill_budget.observe(seconds, self._last_step_prefill_tokens)
 
     def _max_reqs_this_step(self) -> int:
         """Pipeline parallelism: split the live requests over pp batches, so that every
@@ -106,9 +115,11 @@ class Scheduler(SchedulerState):
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
+            prefilling = not _is_decoding(request)
             num_new_tokens = min(
                 num_new_tokens,
                 step.token_budget,
+                step.prefill_budget if prefilling else num_new_tokens,
                 self.max_model_len - 1 - request.num_computed_tokens,
             )
             if num_new_tokens <= 0:
@@ -129,6 +140,9 @@ class Scheduler(SchedulerState):
             step.num_scheduled_tokens[request.request_id] = num_new_tokens
             step.new_blocks_of[request.request_id] = new_blocks
             step.token_budget -= num_new_tokens
+            if prefilling:
+                step.prefill_budget -= num_new_tokens
+                step.num_prefill_tokens += num_new_tokens
             req_index += 1
             if request.spec_token_ids:
                 # The drafts that fit (budget, max_model_len) go to the workers; the rest
@@ -197,6 +211,7 @@ class Scheduler(SchedulerState):
         while (
             len(self.waiting) > 0
             and step.token_budget > 0
+            and step.prefill_budget > 0
             and len(self.running) < self.max_num_running_reqs
             and len(step.num_scheduled_tokens) < step.max_reqs
         ):
@@ -211,7 +226,9 @@ class Scheduler(SchedulerState):
             if match is None:  # the connector cannot tell yet
                 skipped.append(self.waiting.pop())
                 continue
-            num_new_tokens = num_new_prompt_tokens(self.config, request, match, step.token_budget)
+            num_new_tokens = num_new_prompt_tokens(
+                self.config, request, match, min(step.token_budget, step.prefill_budget)
+            )
             if num_new_tokens is None:
                 break
             new_blocks = self.kv_cache_manager.allocate_slots(
@@ -306,6 +323,8 @@ class Scheduler(SchedulerState):
         step.scheduled_new.append(request)
         step.num_scheduled_tokens[request.request_id] = num_new_tokens
         step.token_budget -= num_new_tokens
+        step.prefill_budget -= num_new_tokens
+        step.num_prefill_tokens += num_new_tokens
         return True
 
     def _build_output(self, step: StepState) -> SchedulerOutput:
@@ -515,3 +534,9 @@ class Scheduler(SchedulerState):
             if drafts and request.structured_output_request is not None and manager:
                 drafts = manager.validate_tokens(request, drafts)
             request.spec_token_ids = list(drafts)
+
+
+def _is_decoding(request: Request) -> bool:
+    """Whether a running request computes one token a step (its next, plus any drafts)
+    rather than its prompt (or, resumed after a preemption, its outputs again)."""
+    return request.num_tokens - request.num_computed_tokens <= 1

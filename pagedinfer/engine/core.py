@@ -15,6 +15,7 @@ scheduler. The derived values are kept here (never written back into the frozen 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -246,12 +247,15 @@ class EngineCore:
         it runs, sample) with a queue of one, asynchronously under pipeline parallelism."""
         requests = self.scheduler.requests
         if self.batch_queue_size == 1:
+            start = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output)
             if runner_output is None:
                 grammar_output = self.structured_output_manager.grammar_bitmask(
                     requests, scheduler_output
                 )
                 runner_output = self.executor.sample_tokens(grammar_output)
+            # The prompt-token budget of steps with decodes follows their measured time.
+            self.scheduler.observe_step_time(time.perf_counter() - start)
             self.batch_queue.append((runner_output, scheduler_output))
         else:
             grammar_output = self.structured_output_manager.grammar_bitmask(

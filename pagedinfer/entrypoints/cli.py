@@ -192,6 +192,10 @@ def _add_serving_parsers(sub: Any) -> None:
     # and 14.2-14.4 ms with the governor, against 11.2-12.3 ms under guidellm's light client
     # (docs/benchmarks.md, "Two load generators"). Offline runs own their machine: off there.
     serve.set_defaults(adapt_threads=True)
+    # A server's streams must not stall while a long prompt is prefilled (issue 24): steps
+    # with decodes get the prompt tokens that keep them near 250 ms (core/step_budget.py).
+    # Offline runs want throughput: off there.
+    serve.set_defaults(step_latency_target_ms=250.0)
 
     proxy = sub.add_parser(
         "disagg-proxy",

@@ -22,6 +22,7 @@ def create_scheduler(
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
+    step_latency_target_ms: float = 0.0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -30,6 +31,7 @@ def create_scheduler(
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             policy=policy,  # type: ignore[arg-type]
+            step_latency_target_ms=step_latency_target_ms,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_kv_blocks=num_blocks,
