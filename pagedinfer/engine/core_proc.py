@@ -8,7 +8,8 @@ block on the input queue when there is nothing to run, wait `poll_interval_s()` 
 step that made no progress), an output thread encodes and sends. Torch releases the GIL
 inside its kernels, so socket work overlaps the forward pass.
 The engine exits when told to, when a step raises (after sending FATAL), or, so that it
-never outlives the server, when the front end is gone. How that is seen depends on who
+never outlives the server, when the front end is gone (then it removes the front end's
+socket directory, which nobody else is left to remove). How that is seen depends on who
 started the process:
 - `AsyncMPClient` (a child process, ipc sockets): the input thread checks every second
   that its parent process is still the one that started it;
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import traceback
@@ -151,6 +153,14 @@ def _output_thread(output_queue: queue.Queue, socket: Any, stop: threading.Event
         socket.close(linger=0 if stop.is_set() else None)
 
 
+def _remove_socket_dir(address: str) -> None:
+    """Remove the directory of an "ipc://" socket address `AsyncMPClient` made (a
+    `pagedinfer-*` temporary directory), whose owner died without removing it."""
+    path = os.path.dirname(address.removeprefix("ipc://"))
+    if address.startswith("ipc://") and os.path.basename(path).startswith("pagedinfer-"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _connect(socket: Any, address: str) -> None:
     """`socket.connect(address)`; a "tcp://[v6 address]:port" needs ZMQ's IPv6 switch."""
     import zmq
@@ -224,6 +234,8 @@ def run_engine_core(
         stop.set()
         reader.join(timeout=3)
         engine.shutdown()
+        if parent_pid is not None and os.getppid() != parent_pid:
+            _remove_socket_dir(input_address)  # the front end that made it is gone
         if writer.is_alive() or reader.is_alive():
             # A send stuck on a peer that is gone (the front end died): nobody is left to
             # read what it holds. Exit now rather than wait on a socket forever.

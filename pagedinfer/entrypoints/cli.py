@@ -22,6 +22,10 @@ from pagedinfer.sampling_params import RequestOutputKind, SamplingParams
 __all__ = ["main", "build_parser"]
 
 
+_ENGINE_DEATH_GRACE_S = 2.0
+"""`serve`: how long the server answers 503s after the engine core died, before it exits."""
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling options")
     group.add_argument("--max-tokens", type=int, default=max_tokens, help="Tokens to generate.")
@@ -179,6 +183,12 @@ def _add_serving_parsers(sub: Any) -> None:
         default=256,
         help="Prompts (or embedding inputs) times n in one request (a 400 beyond; default "
         "256): one request cannot fill the engine alone.",
+    )
+    serve.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="Keep serving (503s, /health 503) after the engine core dies, instead of "
+        f"exiting with status 1 after {_ENGINE_DEATH_GRACE_S:g} s.",
     )
     serve.add_argument(
         "--trust-kv-transfer-params",
@@ -485,6 +495,23 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         )
     )
 
+    engine_died = False
+
+    async def exit_when_the_engine_dies() -> None:
+        # vLLM's API server exits too (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH keeps it): a server
+        # answering 503 forever hides the failure from whatever restarts it.
+        nonlocal engine_died
+        while not engine.errored:
+            await asyncio.sleep(0.5)
+        engine_died = True
+        message = (
+            f"error: the engine core died; the server exits in {_ENGINE_DEATH_GRACE_S:g} s "
+            "(--keep-alive-on-engine-death keeps it up)"
+        )
+        print(message, file=sys.stderr, flush=True)
+        await asyncio.sleep(_ENGINE_DEATH_GRACE_S)  # in-flight requests get their 503s
+        server.should_exit = True
+
     async def run() -> None:
         task = asyncio.ensure_future(server.serve())
         while not server.started and not task.done():
@@ -492,13 +519,18 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if server.started:  # listening: now the line works
             print(f"Serving {name} on http://{ns.host}:{ns.port} (Ctrl-C stops). Try:\n{curl}",
                   flush=True)  # fmt: skip
+        watcher = None
+        if not ns.keep_alive_on_engine_death:
+            watcher = asyncio.ensure_future(exit_when_the_engine_dies())
         await task
+        if watcher is not None:
+            watcher.cancel()
 
     try:
         asyncio.run(run())
     finally:
         engine.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine_died else 1
 
 
 def _cmd_disagg_proxy(ns: argparse.Namespace) -> int:

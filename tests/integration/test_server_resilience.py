@@ -4,7 +4,9 @@
   "abort" in /metrics) and free their blocks (KV usage back to 0), and the server keeps
   serving;
 - the engine process killed under load: in-flight requests fail at once with an error,
-  /health turns 503, new requests get 503, nothing hangs."""
+  /health turns 503, the gauges 0, new requests get 503, nothing hangs; the server then
+  exits with status 1 (unless --keep-alive-on-engine-death) and no socket directory is
+  left, nor when the server itself is killed."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -203,10 +206,24 @@ def _engine_pid(server_pid: int) -> int:
     raise AssertionError("no engine core process under the server")
 
 
+def _small_server(max_model_len: int, *flags: str) -> ServerProcess:
+    return ServerProcess("--dtype", "float32", "--kv-cache-memory-bytes", str(64 * 2**20),
+                         "--max-model-len", str(max_model_len), *flags)  # fmt: skip
+
+
+def _socket_dir(engine_pid: int) -> str:
+    """The `pagedinfer-*` directory of the engine's ipc sockets (from its command line)."""
+    with open(f"/proc/{engine_pid}/cmdline", "rb") as f:
+        args = f.read().decode().split("\0")
+    (address,) = [a for a in args if a.startswith("ipc://")][:1]
+    path = os.path.dirname(address.removeprefix("ipc://"))
+    assert os.path.basename(path).startswith("pagedinfer-") and os.path.isdir(path)
+    return path
+
+
 def test_killing_the_engine_fails_in_flight_requests_fast() -> None:
-    srv = ServerProcess(
-        "--dtype", "float32", "--kv-cache-memory-bytes", str(64 * 2**20), "--max-model-len", "512"
-    )  # fmt: skip
+    """With --keep-alive-on-engine-death the server stays up to answer 503s."""
+    srv = _small_server(512, "--keep-alive-on-engine-death")
     base, proc = srv.base, srv.proc
     try:
         engine_pid = _engine_pid(proc.pid)
@@ -245,9 +262,51 @@ def test_killing_the_engine_fails_in_flight_requests_fast() -> None:
         assert after_status == 503
         status, body = _get(base + "/health")
         assert status == 503 and b"dead" in body
+        time.sleep(3)
         assert proc.poll() is None  # the server itself stays up to report it
     finally:
         srv.stop()
+
+
+def test_after_the_engine_dies_the_server_reports_it_and_exits_clean() -> None:
+    """Engine SIGKILLed mid-request: /health 503 and every gauge 0 at once, then the
+    server exits with status 1 and leaves no socket directory."""
+    srv = _small_server(512)
+    try:
+        engine_pid = _engine_pid(srv.pid)
+        socket_dir = _socket_dir(engine_pid)
+        body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+                "ignore_eos": True}  # fmt: skip
+        busy = threading.Thread(target=lambda: _post_ignoring_errors(srv.base, body))
+        busy.start()
+        deadline = time.monotonic() + 30
+        while _metrics(srv.base)["pagedinfer:num_requests_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(engine_pid, signal.SIGKILL)
+        while _get(srv.base + "/health")[0] != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gauges = _metrics(srv.base)
+        assert gauges["pagedinfer:num_requests_running"] == 0
+        assert gauges["pagedinfer:num_requests_waiting"] == 0
+        assert gauges["pagedinfer:kv_cache_usage_perc"] == 0
+        assert srv.proc.wait(timeout=30) == 1
+        busy.join()
+        assert not os.path.exists(socket_dir)
+    finally:
+        srv.stop()
+
+
+def _post_ignoring_errors(base: str, body: dict) -> None:
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+    except OSError:
+        pass  # a 503, or the server gone
 
 
 def _gone(pid: int) -> bool:
@@ -261,17 +320,18 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_the_engine_process_goes_with_the_server(sig) -> None:
     """Stopped (SIGTERM: the app's lifespan shuts the engine down) or killed (SIGKILL: the
-    engine notices its parent is gone), the server leaves no engine process behind."""
-    srv = ServerProcess(
-        "--dtype", "float32", "--kv-cache-memory-bytes", str(64 * 2**20), "--max-model-len", "256"
-    )  # fmt: skip
+    engine notices its parent is gone), the server leaves no engine process and no socket
+    directory behind."""
+    srv = _small_server(256)
     try:
         engine_pid = _engine_pid(srv.pid)
+        socket_dir = _socket_dir(engine_pid)
         os.kill(srv.pid, sig)
         srv.proc.wait(timeout=30)
         deadline = time.monotonic() + 15
         while not _gone(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _gone(engine_pid)
+        assert not os.path.exists(socket_dir)  # removed by the server, or by the orphan
     finally:
         srv.stop()

@@ -107,6 +107,8 @@ async def metrics(raw_request: Request) -> Response:
             )
         except (EngineDeadError, asyncio.TimeoutError):
             pass  # serve the last known values
+    if engine_client.errored:
+        stat_logger.update_gauges(0, 0, 0.0)  # a dead engine runs nothing and holds nothing
     from prometheus_client import CONTENT_TYPE_LATEST
 
     return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
