@@ -303,6 +303,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         chat_template: str | None = None,
+        content_as_text: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` with `chat_template` (a jinja template), else the model's own.
@@ -311,6 +312,11 @@ class Tokenizer:
         encodes it without adding BOS/EOS again. Extra keyword arguments reach the template.
         ValueError, naming the options that give one, when there is no template (a base
         model: it serves completions).
+
+        `content_as_text` (with `tokenize=True`): special-token strings inside the messages'
+        string contents (a user writing "<|im_start|>") are encoded as the plain text they
+        are, not as the control tokens; only the template's own text yields those
+        (`_encode_contents_as_text`). Off by default, as in vLLM.
         """
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
@@ -322,7 +328,44 @@ class Tokenizer:
             eos_token=self.token_text(self.eos_token_id) or "",
             **template_kwargs,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        if content_as_text:
+            return self._encode_contents_as_text(text, messages)
+        return self.encode(text, add_special_tokens=False)
+
+    def _encode_contents_as_text(self, text: str, messages: list[dict[str, Any]]) -> list[int]:
+        """The rendered `text`, encoded with each message's string content (found in order,
+        as written or stripped, as templates write it) encoded with special-token strings
+        split as ordinary text. ValueError when the template changed a content past finding
+        (it cannot then be told from the template's own text)."""
+        ids: list[int] = []
+        cursor = 0
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(content, str) or not content.strip():
+                continue
+            for piece in (content, content.strip()):
+                start = text.find(piece, cursor)
+                if start >= 0:
+                    break
+            else:
+                raise ValueError(
+                    "the chat template changes message content, so its special-token text "
+                    "cannot be kept as plain text (content_as_text)"
+                )
+            ids += self.encode(text[cursor:start], add_special_tokens=False)
+            ids += self._plain_text_backend.encode(piece, add_special_tokens=False).ids
+            cursor = start + len(piece)
+        return ids + self.encode(text[cursor:], add_special_tokens=False)
+
+    @functools.cached_property
+    def _plain_text_backend(self) -> BackendTokenizer:
+        """A copy of the backend that splits special-token strings as ordinary text (its
+        own object: the flag is not toggled on the shared one, which threads encode with)."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     # ---- saving ------------------------------------------------------------------------------
 

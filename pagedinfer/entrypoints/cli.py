@@ -185,6 +185,13 @@ def _add_serving_parsers(sub: Any) -> None:
         "256): one request cannot fill the engine alone.",
     )
     serve.add_argument(
+        "--content-special-tokens-as-text",
+        action="store_true",
+        help="Encode special-token strings a chat message's content contains (a user "
+        "writing '<|im_start|>') as the plain text they are, not as control tokens; off by "
+        "default, as in vLLM.",
+    )
+    serve.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         help="Keep serving (503s, /health 503) after the engine core dies, instead of "
@@ -478,6 +485,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         max_sequences_per_request=ns.max_sequences_per_request,
         max_request_bytes=ns.max_request_bytes,
         client_timeout_s=ns.client_timeout_s,
+        content_special_tokens_as_text=ns.content_special_tokens_as_text,
     )
     curl = (
         f"  curl http://{ns.host}:{ns.port}/v1/chat/completions -H 'Content-Type: application/json'"

@@ -321,6 +321,7 @@ def build_app(
     max_sequences_per_request: int = 256,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
+    content_special_tokens_as_text: bool = False,
 ) -> FastAPI:
     """The app over `engine_client` (an `AsyncLLM`); with `shutdown_engine`, the app's
     lifespan ends it (so the engine process goes with the server however the ASGI server is
@@ -335,7 +336,8 @@ def build_app(
     tenants share no blocks. ValueError for "api-key" without keys. A request may ask for
     `max_sequences_per_request` sequences (prompts x n) and send `max_request_bytes` of
     body within `client_timeout_s` (`http_limits.py`; the head's timeout is uvicorn's
-    protocol's, set by `serve`). Adds the
+    protocol's, set by `serve`). `content_special_tokens_as_text`: a chat message's
+    "<|im_start|>" is text, not the control token. Adds the
     app's Prometheus logger to the engine's `stat_loggers`."""
 
     @contextlib.asynccontextmanager
@@ -365,7 +367,9 @@ def build_app(
     state.created = int(time.time())
     state.metrics = PrometheusStatLogger(model_name, engine_client.max_model_len)
     engine_client.stat_loggers.append(state.metrics)
-    options = ServingOptions(accept_kv_transfer_params, max_sequences_per_request)
+    options = ServingOptions(
+        accept_kv_transfer_params, max_sequences_per_request, content_special_tokens_as_text
+    )
     state.openai_serving_completion = OpenAIServingCompletion(
         engine_client, model_name, options=options
     )
@@ -384,6 +388,6 @@ def build_app(
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.anthropic_serving_messages = AnthropicServingMessages(state.openai_serving_chat)
     state.openai_serving_tokenization = OpenAIServingTokenization(
-        engine_client, model_name, chat_template
+        engine_client, model_name, chat_template, options=options
     )
     return app

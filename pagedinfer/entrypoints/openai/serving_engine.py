@@ -452,6 +452,9 @@ class ServingOptions:
     """Take clients' `kv_transfer_params` (`trust.accepts_client_params`)."""
     max_sequences_per_request: int = 256
     """Prompts (or embedding inputs) times `n` in one request."""
+    content_special_tokens_as_text: bool = False
+    """Special-token strings in chat message content are encoded as plain text
+    (`Tokenizer.apply_chat_template(content_as_text=True)`)."""
 
 
 DEFAULT_OPTIONS = ServingOptions()
@@ -492,6 +495,7 @@ class OpenAIServing:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 chat_template=self.chat_template,
+                content_as_text=self.options.content_special_tokens_as_text,
                 **variables,
                 **extra,
             ),

@@ -52,6 +52,7 @@ class FakeTokenizer:
         tokenize: bool = False,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        content_as_text: bool = False,
         **variables: Any,
     ) -> str | list[int]:
         """`role: content` lines; a `chat_template` given is written first, in brackets, and
