@@ -23,9 +23,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from pagedinfer.entrypoints.openai.chat_bridge import ChatFailure, ToolCallAssembler, run_chat
+from pagedinfer.entrypoints.openai.protocol import StrictRequest
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -37,12 +38,30 @@ __all__ = ["AnthropicServingMessages", "MessagesRequest", "anthropic_error"]
 _IGNORED = frozenset({"metadata", "service_tier"})
 
 
-class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class MessagesRequest(StrictRequest):
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int = Field(ge=1)
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(
+        min_length=1,
+        json_schema_extra=lambda schema: schema.update(
+            items={
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"enum": ["user", "assistant"]},
+                    "content": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {"type": "array", "items": {"type": "object"}},
+                        ]
+                    },
+                },
+            }
+        ),
+    )
+    """Checked block by block by the handler; the document states the outline."""
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
@@ -70,11 +89,23 @@ def anthropic_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
 
 
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    """A content list's blocks; ValueError unless it is a list of objects."""
+    if content is None:
+        return []
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of blocks")
+    for j, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise ValueError(f"{where}[{j}]: a content block must be an object")
+    return content
+
+
 def _blocks_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     texts = []
-    for block in content or []:
+    for block in _blocks(content, where):
         if block.get("type") != "text":
             raise ValueError(f"{where}: block type {block.get('type')!r} is not supported here")
         texts.append(block.get("text", ""))
@@ -94,7 +125,7 @@ def _messages(request: MessagesRequest) -> list[dict[str, Any]]:
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        for j, block in enumerate(content or []):
+        for j, block in enumerate(_blocks(content, f"{where}.content")):
             kind = block.get("type")
             if kind == "text":
                 texts.append(block.get("text", ""))

@@ -45,6 +45,7 @@ from pagedinfer.entrypoints.openai.http_limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     RequestBodyLimits,
 )
+from pagedinfer.entrypoints.openai.openapi import honest_openapi
 from pagedinfer.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -199,8 +200,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     # at all) in the same OpenAI-style shape as ours (Anthropic's on its route).
     assert isinstance(exc, StarletteHTTPException)
     if request.url.path == "/v1/messages":
-        return anthropic_error(exc.status_code, str(exc.detail))
-    return error_response(exc.status_code, str(exc.detail))
+        response = anthropic_error(exc.status_code, str(exc.detail))
+    else:
+        response = error_response(exc.status_code, str(exc.detail))
+    response.headers.update(exc.headers or {})  # a 405's `Allow`
+    return response
 
 
 async def _invalid(request: Request, exc: Exception) -> Response:
@@ -347,6 +351,8 @@ def build_app(
             engine_client.shutdown()
 
     app = FastAPI(title="pagedinfer", version=pagedinfer.__version__, lifespan=lifespan)
+    vocab_size = engine_client.input_processor.vocab_size
+    app.openapi = lambda: honest_openapi(app, vocab_size)  # type: ignore[method-assign]
     app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)

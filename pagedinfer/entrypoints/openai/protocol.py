@@ -21,12 +21,14 @@ as `null`. Keys are written in the order declared here. Used by `serving_*.py` a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import NotRequired, Self, TypedDict
 
 __all__ = [
+    "StrictRequest",
     "ChatCompletionLogprobs",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -120,7 +122,9 @@ def _refuse_unknown(request: BaseModel, endpoint: str) -> None:
         if name in IGNORED_FIELDS:
             continue
         key = "echo_chat" if name == "echo" else name  # completions implement echo
-        if key in IGNORED_AT_DEFAULT and value in IGNORED_AT_DEFAULT[key]:
+        if key in IGNORED_AT_DEFAULT and any(
+            value == v and type(value) is type(v) for v in IGNORED_AT_DEFAULT[key]
+        ):  # the type too: `false` is not the `0` of `priority`
             continue
         if name == "best_of" and value == getattr(request, "n", 1):
             continue
@@ -136,8 +140,68 @@ def _refuse_unknown(request: BaseModel, endpoint: str) -> None:
         )
 
 
+INT64_MAX = 2**63 - 1
+"""Integers reach the engine's int64 tensors: larger ones are refused (`SamplingParams`)."""
+
+
+def _integral(value: Any) -> Any:
+    """Integral floats as ints, in lists too: JSON Schema's integers include 2.0."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+class StrictRequest(BaseModel):
+    """A request body, validated strictly (no "2" for 2, no 1 for true: what the OpenAPI
+    document says is what is taken), except that an integer field takes 2.0 as 2, since
+    JSON Schema's integers do."""
+
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        ints = _integer_fields(cls)
+        return {k: _integral(v) if k in ints else v for k, v in data.items()}
+
+
+@functools.cache
+def _integer_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """Fields of `cls` whose type admits integers but not floats."""
+    return frozenset(
+        name
+        for name, info in cls.model_fields.items()
+        if "int" in str(info.annotation) and "float" not in str(info.annotation)
+    )
+
+
+# Prompts as the handlers take them: non-empty text or token ids (below the vocabulary
+# size: the engine checks it, the OpenAPI document states it, `openapi.py`).
+Text = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+"""A token id: `openapi.honest_openapi` bounds it by the served model's vocabulary."""
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompts = (
+    Text
+    | TokenIds
+    | Annotated[list[Text], Field(min_length=1)]
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
+
+
+def _only_null(schema: dict[str, Any]) -> None:
+    """The schema of a field whose every value but null is refused (with a message that
+    says why): its documented type is null."""
+    schema.clear()
+    schema["type"] = "null"
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
     """A last chunk with no choices carries the usage."""
@@ -146,7 +210,7 @@ class StreamOptions(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
     name: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -156,7 +220,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -165,47 +229,49 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsFields(BaseModel):
     """vLLM's `structured_outputs` request field (the same names as StructuredOutputsParams)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
     grammar: str | None = None
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictRequest):
     """The sampling, stop, guided-decoding and streaming fields that completion and chat
     requests share (`serving_engine.to_sampling_params` turns them into SamplingParams)."""
 
     # Extras are kept to be refused by name (`_refuse_unknown`), not dropped.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=16)
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     """0 only on /v1/completions with `echo`: score the prompt without generating."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=INT64_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
     """vLLM's field: words never generated (`SamplingParams.bad_words`)."""
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=-1, le=2**31 - 1, json_schema_extra={"not": {"const": 0}}
+    )
     """vLLM's field: keep only the prompt's last this many tokens (-1: the model length)."""
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     """vLLM's field: the prompt tokens' logprobs (and this many top ones), returned as
@@ -219,7 +285,9 @@ class SamplingFields(BaseModel):
     structured_outputs: StructuredOutputsFields | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1
+    )
     guided_grammar: str | None = None
     # Disaggregated prefill (vLLM's field): to a prefill instance {"do_remote_decode":
     # true}; to a decode instance, what the prefill instance's response carried.
@@ -241,10 +309,25 @@ class SamplingFields(BaseModel):
         )
 
 
+def _nonempty_prompts(value: Any, what: str) -> Any:
+    """Before the union of prompt forms is tried (its errors name no form the client
+    meant): an empty prompt, list or id list is refused by name."""
+    if value == "" or value == []:
+        raise ValueError(f"at least one {what} is needed, and none may be empty")
+    if isinstance(value, list) and any(v == "" or v == [] for v in value):
+        raise ValueError(f"an empty {what} in the list: none may be empty")
+    return value
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompts
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _nonempty(cls, value: Any) -> Any:
+        return _nonempty_prompts(value, "prompt")
 
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:
@@ -253,7 +336,7 @@ class CompletionRequest(SamplingFields):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
@@ -267,14 +350,14 @@ class FunctionDefinition(BaseModel):
 class ChatTool(BaseModel):
     """One entry of a chat request's `tools`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str
 
@@ -282,14 +365,14 @@ class NamedFunction(BaseModel):
 class NamedToolChoice(BaseModel):
     """`tool_choice` naming the function to call."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: NamedFunction
 
 
 class MessageFunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str
     arguments: str
@@ -299,7 +382,7 @@ class MessageFunctionCall(BaseModel):
 class MessageToolCall(BaseModel):
     """A call an assistant message of the history made (what an earlier response held)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str
     type: Literal["function"] = "function"
@@ -310,7 +393,7 @@ class ChatMessage(BaseModel):
     """One message of a chat history; `name`, `tool_call_id` and `tool_calls` reach the chat
     template as given (templates may render them; `serving_engine.template_message`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -326,7 +409,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -346,21 +429,28 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(StrictRequest):
     """`/v1/embeddings`: OpenAI's fields, vLLM's `normalize` and `truncate_prompt_tokens`,
     and `pooling_type` (pagedinfer's: vLLM fixes it per model)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompts
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, json_schema_extra=_only_null)
     """Refused (a 400): no model served here is a Matryoshka model."""
     user: str | None = None
     normalize: bool = True
     pooling_type: Literal["last", "mean"] = "last"
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=-1, le=2**31 - 1, json_schema_extra={"not": {"const": 0}}
+    )
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _nonempty(cls, value: Any) -> Any:
+        return _nonempty_prompts(value, "input")
 
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:
@@ -368,10 +458,10 @@ class EmbeddingRequest(BaseModel):
         return self
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(StrictRequest):
     """`/v1/responses` (stateless; `serving_responses.py` maps it onto a chat request)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -381,13 +471,13 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     """`{"format": {"type": "text" | "json_schema" | "json_object", ...}}`."""
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
     store: bool | None = None
     """Accepted and ignored: nothing is stored (see `previous_response_id`)."""
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(default=None, json_schema_extra=_only_null)
     """Refused with a 400: the server is stateless."""
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -398,11 +488,20 @@ class ResponsesRequest(BaseModel):
         return self
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictRequest):
     """`prompt` (text, tokenized as a completion prompt is) or `messages` (rendered with the
     chat template, as a chat request is): exactly one of them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },
+    )
 
     model: str | None = None
     prompt: str | None = None
@@ -414,11 +513,11 @@ class TokenizeRequest(BaseModel):
     """As in a chat request: extra variables for the chat template."""
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(StrictRequest):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ----------------------------------------------------------------------------- responses

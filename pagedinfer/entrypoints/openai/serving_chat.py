@@ -53,6 +53,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     check_text_fits,
     error_response,
     failure,
+    finite_logprob,
     json_response,
     prefix_salt,
     prompt_logprobs_body,
@@ -96,12 +97,16 @@ def chat_logprobs(
         for t, lp in ranked:
             top_text = lp.decoded_token or tokenizer.decode([t])
             top.append(
-                ChatTopLogprob(token=top_text, logprob=lp.logprob, bytes=list(top_text.encode()))
+                ChatTopLogprob(
+                    token=top_text,
+                    logprob=finite_logprob(lp.logprob),
+                    bytes=list(top_text.encode()),
+                )
             )
         content.append(
             ChatLogprobToken(
                 token=text,
-                logprob=entry[token_id].logprob if token_id in entry else None,
+                logprob=finite_logprob(entry[token_id].logprob) if token_id in entry else None,
                 bytes=list(text.encode()),
                 top_logprobs=top,
             )

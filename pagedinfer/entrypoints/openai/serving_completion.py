@@ -32,6 +32,7 @@ from pagedinfer.entrypoints.openai.serving_engine import (
     check_room,
     error_response,
     failure,
+    finite_logprob,
     json_response,
     prefix_salt,
     prompt_logprobs_body,
@@ -66,9 +67,14 @@ def completion_logprobs(
     for token_id, entry in zip(c.token_ids, c.logprobs):
         text = tokenizer.decode([token_id])
         tokens.append(text)
-        token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
+        token_logprobs.append(
+            finite_logprob(entry[token_id].logprob) if token_id in entry else None
+        )
         top.append(
-            {(lp.decoded_token or tokenizer.decode([t])): lp.logprob for t, lp in entry.items()}
+            {
+                (lp.decoded_token or tokenizer.decode([t])): finite_logprob(lp.logprob)
+                for t, lp in entry.items()
+            }
         )
         offsets.append(offset)
         offset += len(text)
@@ -95,9 +101,14 @@ def echo_logprobs(
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        out["token_logprobs"].append(entry[token_id].logprob if token_id in entry else None)
+        out["token_logprobs"].append(
+            finite_logprob(entry[token_id].logprob) if token_id in entry else None
+        )
         out["top_logprobs"].append(
-            {(lp.decoded_token or tokenizer.decode([t])): lp.logprob for t, lp in entry.items()}
+            {
+                (lp.decoded_token or tokenizer.decode([t])): finite_logprob(lp.logprob)
+                for t, lp in entry.items()
+            }
         )
     return out, offset
 

@@ -52,6 +52,7 @@ __all__ = [
     "chat_text",
     "error_response",
     "failure",
+    "finite_logprob",
     "json_response",
     "prompt_logprobs_body",
     "request_structured_outputs",
@@ -217,7 +218,7 @@ def prompt_logprobs_body(
         if entry is None
         else {
             str(t): PromptLogprob(
-                logprob=lp.logprob,
+                logprob=finite_logprob(lp.logprob),
                 rank=lp.rank,
                 decoded_token=lp.decoded_token or tokenizer.decode([t]),
             )
@@ -328,6 +329,15 @@ def chat_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 # --------------------------------------------------------------------------------- errors
+
+
+LOGPROB_FLOOR = -9999.0
+"""A logprob below this (-inf: a token a bias or a grammar excluded) is sent as this, as
+vLLM's server does: JSON has no infinity, and strict clients refuse `-Infinity`."""
+
+
+def finite_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
 
 
 def json_response(body: Mapping[str, Any]) -> JSONResponse:
