@@ -6,9 +6,11 @@ requests), phases examples, coverage and fuzzing, every check schemathesis has b
 no 5xx, only declared status codes and content types, bodies matching their declared
 schemas (200s and errors), schema-violating requests refused, 405s with `Allow`, and the
 rest. Left out: `positive_data_acceptance` (every schema-valid request answered 2xx), which
-still fails where a handler refuses by a rule the document does not state yet: a named
-`tool_choice` whose function is not among `tools`, tool-call `arguments` that are not a
-JSON object, Anthropic content blocks of the wrong type for their role (docs/serving.md).
+still fails where a handler refuses by a rule across fields that the document does not
+state: the prompt and `max_tokens` within the context length (no JSON Schema can count
+tokens), at most one guided-decoding field, a named `tool_choice` whose function is among
+`tools`, tool-call `arguments` that are JSON objects, Anthropic content blocks of a type
+their role may send (docs/serving.md).
 """
 
 from __future__ import annotations

@@ -352,7 +352,9 @@ def build_app(
 
     app = FastAPI(title="pagedinfer", version=pagedinfer.__version__, lifespan=lifespan)
     vocab_size = engine_client.input_processor.vocab_size
-    app.openapi = lambda: honest_openapi(app, vocab_size)  # type: ignore[method-assign]
+    app.openapi = lambda: honest_openapi(  # type: ignore[method-assign]
+        app, vocab_size, accept_kv_transfer_params
+    )
     app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)

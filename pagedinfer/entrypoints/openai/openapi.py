@@ -168,9 +168,12 @@ def _close_request_schemas(schemas: dict[str, Any]) -> None:
         }
 
 
-def honest_openapi(app: FastAPI, vocab_size: int) -> dict[str, Any]:
+def honest_openapi(
+    app: FastAPI, vocab_size: int, accept_kv_transfer_params: bool
+) -> dict[str, Any]:
     """FastAPI's document of `app`, corrected as the module docstring says (cached);
-    token ids are bounded by `vocab_size`."""
+    token ids are bounded by `vocab_size`; `kv_transfer_params` is null only where the
+    server refuses clients' (`serving_engine.ServingOptions`)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
@@ -212,5 +215,9 @@ def honest_openapi(app: FastAPI, vocab_size: int) -> dict[str, Any]:
                 content["text/event-stream"] = {}  # events of the JSON chunks' shapes
     _bound_token_ids(doc, vocab_size)
     _close_request_schemas(schemas)
+    if not accept_kv_transfer_params:
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            if name in schemas:
+                schemas[name]["properties"]["kv_transfer_params"] = {"type": "null"}
     app.openapi_schema = doc
     return doc
