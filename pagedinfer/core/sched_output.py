@@ -55,6 +55,8 @@ class NewRequestData:
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
     """A pooling request: its prompt's hidden states are pooled, no token sampled."""
+    cache_salt: str | None = None
+    """Its prefix-cache salt (a tenant's): store-backed KV connectors key by it too."""
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -66,6 +68,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             pooling_params=request.pooling_params,
+            cache_salt=request.cache_salt,
         )
 
 

@@ -33,7 +33,7 @@ __all__ = ["SchedulerState"]
 # (prompts progress however heavy the decodes are), and starts from the second before its
 # first measurement.
 _MIN_PREFILL_TOKENS = 32
-_INITIAL_PREFILL_TOKENS = 256
+_INITIAL_PREFILL_TOKENS = 64
 
 
 class SchedulerState:
@@ -72,6 +72,7 @@ class SchedulerState:
                 initial=_INITIAL_PREFILL_TOKENS,
             )
         self._last_step_prefill_tokens = 0
+        self._last_step_had_decodes = False
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_kv_blocks,
             block_size=cache_config.block_size,

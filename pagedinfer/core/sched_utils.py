@@ -48,6 +48,8 @@ class StepState:
     """Prompt tokens this step may still compute (`PrefillBudget`, when requests decode)."""
     num_prefill_tokens: int = 0
     """Prompt tokens (and recomputed output tokens) scheduled so far."""
+    prefilling: set[str] = field(default_factory=set)
+    """Requests scheduled for prompt tokens (the rest scheduled decode)."""
 
 
 class PrefixMatch(NamedTuple):

@@ -79,13 +79,16 @@ class Scheduler(SchedulerState):
         if not step.preempted:
             self._schedule_waiting(step)
         self._last_step_prefill_tokens = step.num_prefill_tokens
+        self._last_step_had_decodes = len(step.num_scheduled_tokens) > len(step.prefilling)
         return self._build_output(step)
 
     def observe_step_time(self, seconds: float) -> None:
         """The engine core timed the step `schedule()` last returned (forward and
         sampling): the prompt-token budget of steps with decodes follows it."""
         if self.prefill_budget is not None:
-            self.prefill_budget.observe(seconds, self._last_step_prefill_tokens)
+            self.prefill_budget.observe(
+                seconds, self._last_step_prefill_tokens, self._last_step_had_decodes
+            )
 
     def _max_reqs_this_step(self) -> int:
         """Pipeline parallelism: split the live requests over pp batches, so that every
@@ -143,6 +146,7 @@ class Scheduler(SchedulerState):
             if prefilling:
                 step.prefill_budget -= num_new_tokens
                 step.num_prefill_tokens += num_new_tokens
+                step.prefilling.add(request.request_id)
             req_index += 1
             if request.spec_token_ids:
                 # The drafts that fit (budget, max_model_len) go to the workers; the rest
@@ -168,7 +172,12 @@ class Scheduler(SchedulerState):
                 req_index -= 1
             if victim.request_id in step.num_scheduled_tokens:
                 step.scheduled_running.remove(victim)
-                step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
+                given_back = step.num_scheduled_tokens.pop(victim.request_id)
+                step.token_budget += given_back
+                if victim.request_id in step.prefilling:
+                    step.prefilling.discard(victim.request_id)
+                    step.prefill_budget += given_back
+                    step.num_prefill_tokens -= given_back
                 step.new_blocks_of.pop(victim.request_id, None)
                 step.scheduled_spec.pop(victim.request_id, None)
             self._preempt_request(victim)
@@ -325,6 +334,7 @@ class Scheduler(SchedulerState):
         step.token_budget -= num_new_tokens
         step.prefill_budget -= num_new_tokens
         step.num_prefill_tokens += num_new_tokens
+        step.prefilling.add(request.request_id)
         return True
 
     def _build_output(self, step: StepState) -> SchedulerOutput:

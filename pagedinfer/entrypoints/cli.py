@@ -112,10 +112,10 @@ def _add_serving_parsers(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     serve.add_argument(
         "--api-key",
-        nargs="+",
+        action="append",
         default=None,
-        help="Require 'Authorization: Bearer KEY' on /v1 routes; several keys (one per "
-        "tenant) are accepted alike.",
+        help="Require 'Authorization: Bearer KEY' on /v1 routes; repeat the flag for several "
+        "keys (one per tenant), accepted alike.",
     )
     serve.add_argument(
         "--isolate-tenants",

@@ -41,7 +41,8 @@ PREFIX = (
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(*small_engine_flags(512), "--block-size", "16", "--api-key", *KEYS,
+    proc = ServerProcess(*small_engine_flags(512), "--block-size", "16",
+                         *(flag for key in KEYS for flag in ("--api-key", key)),
                          "--isolate-tenants", "api-key",
                          "--client-timeout-s", str(CLIENT_TIMEOUT_S),
                          "--content-special-tokens-as-text")  # fmt: skip

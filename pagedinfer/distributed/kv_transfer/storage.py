@@ -5,7 +5,8 @@ writes it; a consumer whose prompt is in the store loads it into its paged cache
 forward pass and computes only the rest. Both sides derive the same key from the prompt
 tokens, so no transfer parameters need to travel between them.
 
-- Key: sha256 of the model name and the prompt's first `aligned` token ids, where
+- Key: sha256 of the model name, the request's `cache_salt` if any, and the prompt's
+  first `aligned` token ids, where
   `aligned = (len(prompt) - 1) // block_size * block_size`: whole blocks, never the last
   prompt token (its logits must be computed), the same bound as the local prefix cache.
   Deviation: vLLM's example connector truncates one token more,
@@ -65,11 +66,12 @@ def kv_checksum(tensor: torch.Tensor) -> str:
 
 
 def entry_checksum(kv: torch.Tensor, key: str, layer_name: str, secret: bytes | None) -> str:
-    """A stored layer's digest: its bytes bound to its key and layer name, keyed by the
-    transfer secret when there is one (then only its holders can write a loadable entry)."""
+    """A stored layer's digest: its bytes bound to its key, layer name, dtype and shape
+    (the headers that say how to read the bytes), keyed by the transfer secret when there is
+    one (then only its holders can write a loadable entry)."""
     mac_key = hashlib.sha256(secret).digest() if secret else b""
     digest = hashlib.blake2b(key=mac_key, digest_size=16)
-    digest.update(f"{key}|{layer_name}|".encode())
+    digest.update(f"{key}|{layer_name}|{kv.dtype}|{tuple(kv.shape)}|".encode())
     digest.update(memoryview(kv.detach().contiguous().view(torch.uint8).numpy()))
     return digest.hexdigest()
 
@@ -89,11 +91,16 @@ def token_digest(token_ids: list[int], tag: str = "") -> str:
 
 
 def prompt_store_key(
-    model: str | None, block_size: int, prompt_token_ids: list[int]
+    model: str | None,
+    block_size: int,
+    prompt_token_ids: list[int],
+    cache_salt: str | None = None,
 ) -> tuple[str, int]:
-    """The store key of a prompt and the number of its tokens stored under it."""
+    """The store key of a prompt and the number of its tokens stored under it. A salted
+    request (`cache_salt`, a tenant's) has keys of its own, as its prefix-cache blocks do."""
     aligned = max((len(prompt_token_ids) - 1) // block_size * block_size, 0)
-    return token_digest(prompt_token_ids[:aligned], f"{model or 'default'}|"), aligned
+    tag = f"{model or 'default'}|" if cache_salt is None else f"{model or 'default'}|{cache_salt}|"
+    return token_digest(prompt_token_ids[:aligned], tag), aligned
 
 
 class KVStore(ABC):

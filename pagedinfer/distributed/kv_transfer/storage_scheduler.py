@@ -43,15 +43,15 @@ class StorageConnectorScheduler:
         # and block table (the key hashed once, not at every chunk of the prompt).
         self._unsaved: dict[str, tuple[str, int, list[int]]] = {}
 
-    def prompt_key(self, prompt_token_ids: list[int]) -> tuple[str, int]:
-        return prompt_store_key(self.model, self.block_size, prompt_token_ids)
+    def prompt_key(self, prompt_token_ids: list[int], cache_salt: str | None) -> tuple[str, int]:
+        return prompt_store_key(self.model, self.block_size, prompt_token_ids, cache_salt)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if not self.kv_config.is_kv_consumer:
             return 0, False  # a prefill instance computes its prompts
-        key, aligned = self.prompt_key(request.prompt_token_ids)
+        key, aligned = self.prompt_key(request.prompt_token_ids, request.cache_salt)
         if aligned <= num_computed_tokens or not self.store.exists(key):
             return 0, False
         return aligned - num_computed_tokens, False
@@ -61,7 +61,7 @@ class StorageConnectorScheduler:
     ) -> None:
         if num_external_tokens <= 0:
             return
-        key, aligned = self.prompt_key(request.prompt_token_ids)
+        key, aligned = self.prompt_key(request.prompt_token_ids, request.cache_salt)
         self._pending_loads.append(
             KVTransferSpec(
                 req_id=request.request_id,
@@ -84,7 +84,7 @@ class StorageConnectorScheduler:
         loaded = {spec.req_id for spec in meta.loads}
         for new in so.scheduled_new_reqs:
             if new.req_id not in loaded:
-                key, aligned = self.prompt_key(new.prompt_token_ids)
+                key, aligned = self.prompt_key(new.prompt_token_ids, new.cache_salt)
                 self._unsaved[new.req_id] = (key, aligned, list(new.block_ids))
                 computed_before[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs

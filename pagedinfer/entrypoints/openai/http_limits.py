@@ -62,7 +62,11 @@ class RequestBodyLimits:
                 await self._refuse(scope, receive, send, 408, text)
                 return
             if message["type"] == "http.disconnect":
-                return  # the client left before its body was complete: nothing to answer
+                # The client left before its body was complete: the answer goes nowhere,
+                # but the middlewares above expect one (and a 400 is no server error).
+                text = "The client closed the connection before the body was complete."
+                await self._refuse(scope, receive, send, 400, text)
+                return
             size += len(message.get("body", b""))
             if size <= self.max_bytes:
                 chunks.append(message.get("body", b""))

@@ -22,7 +22,7 @@ as `null`. Keys are written in the order declared here. Used by `serving_*.py` a
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import NotRequired, Self, TypedDict
@@ -169,13 +169,18 @@ class StrictRequest(BaseModel):
         return {k: _integral(v) if k in ints else v for k, v in data.items()}
 
 
+def _admits(annotation: Any, kind: type) -> bool:
+    """Whether a type annotation (unions, lists, Annotated included) admits `kind`."""
+    return annotation is kind or any(_admits(arg, kind) for arg in get_args(annotation))
+
+
 @functools.cache
 def _integer_fields(cls: type[BaseModel]) -> frozenset[str]:
     """Fields of `cls` whose type admits integers but not floats."""
     return frozenset(
         name
         for name, info in cls.model_fields.items()
-        if "int" in str(info.annotation) and "float" not in str(info.annotation)
+        if _admits(info.annotation, int) and not _admits(info.annotation, float)
     )
 
 

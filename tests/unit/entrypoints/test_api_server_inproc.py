@@ -384,3 +384,29 @@ def test_tenants_by_header(engine: FakeEngine) -> None:
 def test_isolate_tenants_needs_a_source(engine: FakeEngine, source: str) -> None:
     with pytest.raises(ValueError, match="--isolate-tenants"):
         build_app(engine, MODEL, isolate_tenants=source)
+
+
+def test_a_client_leaving_mid_body_is_no_server_error(engine: FakeEngine) -> None:
+    """The body middleware answers a body cut short by a disconnect (a 400 nobody reads),
+    rather than returning nothing, which the middlewares above it would turn into a 500."""
+    import asyncio
+
+    app = build_app(engine, MODEL)
+    messages = [
+        {"type": "http.request", "body": b'{"prompt": "hi', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "query_string": b"", "http_version": "1.1", "scheme": "http",
+             "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
+    assert b"closed the connection" in sent[1]["body"]
