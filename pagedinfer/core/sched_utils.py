@@ -46,10 +46,9 @@ class StepState:
     scheduled_spec: dict[str, list[int]] = field(default_factory=dict)
     prefill_budget: int = 1 << 62
     """Prompt tokens this step may still compute (`PrefillBudget`, when requests decode)."""
-    num_prefill_tokens: int = 0
-    """Prompt tokens (and recomputed output tokens) scheduled so far."""
     prefilling: set[str] = field(default_factory=set)
-    """Requests scheduled for prompt tokens (the rest scheduled decode)."""
+    """Requests scheduled for prompt tokens (or, resumed, their outputs again); the rest
+    decode."""
 
 
 class PrefixMatch(NamedTuple):

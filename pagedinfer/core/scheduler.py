@@ -78,7 +78,9 @@ class Scheduler(SchedulerState):
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
-        self._last_step_prefill_tokens = step.num_prefill_tokens
+        self._last_step_prefill_tokens = sum(
+            step.num_scheduled_tokens[req_id] for req_id in step.prefilling
+        )
         self._last_step_had_decodes = len(step.num_scheduled_tokens) > len(step.prefilling)
         return self._build_output(step)
 
@@ -145,7 +147,6 @@ class Scheduler(SchedulerState):
             step.token_budget -= num_new_tokens
             if prefilling:
                 step.prefill_budget -= num_new_tokens
-                step.num_prefill_tokens += num_new_tokens
                 step.prefilling.add(request.request_id)
             req_index += 1
             if request.spec_token_ids:
@@ -177,7 +178,6 @@ class Scheduler(SchedulerState):
                 if victim.request_id in step.prefilling:
                     step.prefilling.discard(victim.request_id)
                     step.prefill_budget += given_back
-                    step.num_prefill_tokens -= given_back
                 step.new_blocks_of.pop(victim.request_id, None)
                 step.scheduled_spec.pop(victim.request_id, None)
             self._preempt_request(victim)
@@ -333,7 +333,6 @@ class Scheduler(SchedulerState):
         step.num_scheduled_tokens[request.request_id] = num_new_tokens
         step.token_budget -= num_new_tokens
         step.prefill_budget -= num_new_tokens
-        step.num_prefill_tokens += num_new_tokens
         step.prefilling.add(request.request_id)
         return True
 

@@ -31,6 +31,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedinfer
 from pagedinfer.engine.core_client import EngineDeadError
@@ -275,27 +276,46 @@ async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Respo
     return await call_next(request)
 
 
-async def _no_tracebacks(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    """An exception no handler answered becomes OpenAI's error shape (Anthropic's on its
-    route) and one log line, not a plain-text 500 and a traceback per request: a
-    RecursionError (a body or field nested too deeply for a copy or a parser) is the
-    client's 400, anything else our 500. The server keeps serving either way."""
-    try:
-        return await call_next(request)
-    except Exception as exc:
-        if isinstance(exc, RecursionError):
-            status, text = 400, "The request is nested too deeply."
-        else:
-            status, text = 500, f"Internal error ({type(exc).__name__}); see the server log."
-        logger.error(
-            "%s %s -> %d: %s: %s",
-            request.method, request.url.path, status, type(exc).__name__, str(exc)[:200],
-        )  # fmt: skip
-        if request.url.path == "/v1/messages":
-            return anthropic_error(status, text)
-        return error_response(status, text)
+class _NoTracebacks:
+    """ASGI middleware: an exception no handler answered becomes OpenAI's error shape
+    (Anthropic's on its route) and one log line, not a plain-text 500 and a traceback per
+    request: a RecursionError (a body or field nested too deeply for a copy or a parser) is
+    the client's 400, anything else our 500. The server keeps serving either way. Plain
+    ASGI, not `BaseHTTPMiddleware`: it adds nothing to each chunk of a stream."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise  # mid-response: nothing else can be sent
+            if isinstance(exc, RecursionError):
+                status, text = 400, "The request is nested too deeply."
+            else:
+                status, text = 500, f"Internal error ({type(exc).__name__}); see the server log."
+            path = scope.get("path", "")
+            logger.error(
+                "%s %s -> %d: %s: %s",
+                scope.get("method"), path, status, type(exc).__name__, str(exc)[:200],
+            )  # fmt: skip
+            if path == "/v1/messages":
+                response = anthropic_error(status, text)
+            else:
+                response = error_response(status, text)
+            await response(scope, receive, send)
 
 
 async def _request_id(
@@ -362,7 +382,7 @@ def build_app(
         RequestBodyLimits, max_bytes=max_request_bytes, timeout_s=client_timeout_s
     )  # innermost: after the auth check
     app.middleware("http")(_auth)
-    app.middleware("http")(_no_tracebacks)
+    app.add_middleware(_NoTracebacks)
     app.middleware("http")(_request_id)  # outermost: it also tags the 401s and 500s
 
     state = app.state

@@ -85,7 +85,7 @@ _RESPONSE_OBJECT = {
 }
 
 
-def _statuses(path: str, method: str, has_body: bool) -> list[str]:
+def _statuses(path: str, has_body: bool) -> list[str]:
     statuses = ["500"]
     if has_body:
         statuses += ["400", "408", "413"]
@@ -113,14 +113,14 @@ def _bound_token_ids(node: Any, vocab_size: int) -> None:
             stack.extend(item)
 
 
-_REFUSING_UNKNOWN = {
-    # request schema -> the fields taken and ignored beside its own (`protocol._refuse_unknown`)
-    "CompletionRequest": {},
-    "ChatCompletionRequest": {"echo": {"enum": [False]}},
-    "EmbeddingRequest": {},
-    "ResponsesRequest": {},
-    "MessagesRequest": {"metadata": {}, "service_tier": {}},
-    "ChatMessage": {},
+_REFUSING_UNKNOWN: dict[str, tuple[bool, dict[str, Any]]] = {
+    # request schema -> (takes OpenAI's ignored fields, `protocol.IGNORED_*`; its own)
+    "CompletionRequest": (True, {}),
+    "ChatCompletionRequest": (True, {"echo": {"enum": [False]}}),
+    "EmbeddingRequest": (True, {}),
+    "ResponsesRequest": (True, {}),
+    "MessagesRequest": (False, {"metadata": {}, "service_tier": {}}),
+    "ChatMessage": (False, {}),
 }
 
 
@@ -134,12 +134,12 @@ def _close_request_schemas(schemas: dict[str, Any]) -> None:
         for name, values in IGNORED_AT_DEFAULT.items()
         if name != "echo_chat"
     }
-    for name, own in _REFUSING_UNKNOWN.items():
+    for name, (takes_ignored, own) in _REFUSING_UNKNOWN.items():
         schema = schemas.get(name)
         if schema is None:
             continue
         properties = schema.setdefault("properties", {})
-        extra = own if name in ("MessagesRequest", "ChatMessage") else {**ignored, **own}
+        extra = {**ignored, **own} if takes_ignored else own
         for field, field_schema in extra.items():
             properties.setdefault(field, field_schema)
         schema["additionalProperties"] = False
@@ -189,12 +189,12 @@ def honest_openapi(
         schemas.setdefault(*sub)
     schemas["AnthropicError"] = _ANTHROPIC_ERROR
     for path, operations in doc["paths"].items():
-        for method, op in operations.items():
+        for op in operations.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             shape = "AnthropicError" if path == "/v1/messages" else "ErrorResponse"
             error = {"$ref": f"#/components/schemas/{shape}"}
-            for status in _statuses(path, method, "requestBody" in op or "parameters" in op):
+            for status in _statuses(path, "requestBody" in op or "parameters" in op):
                 responses[status] = {
                     "description": _DESCRIPTIONS[status],
                     "content": {"application/json": {"schema": error}},
