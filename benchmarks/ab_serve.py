@@ -12,12 +12,15 @@ Medians over rounds and B / A are printed.
 
     git worktree add /tmp/base <commit>
     .venv/bin/python benchmarks/ab_serve.py /tmp/base . [--rounds 2] [--num-prompts 200]
+
+One checkout under two settings: `ab_serve.py . . --a-flags '--step-latency-target-ms 0'`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 
@@ -29,11 +32,13 @@ from bench_spec_decode import add_dataset_path_arg, checked_dataset_path  # noqa
 METRICS = ("sat_out_tok_s", "sat_ttft_ms", "sat_itl_ms", "one_ttft_ms", "one_itl_ms")
 
 
-def measure(checkout: str, sharegpt: list[str], num_prompts: int) -> dict[str, float]:
+def measure(
+    checkout: str, flags: list[str], sharegpt: list[str], num_prompts: int
+) -> dict[str, float]:
     here = os.getcwd()
     os.chdir(checkout)  # `python -m pagedinfer` imports the checkout's own package
     try:
-        proc = Proc("serve", "--log-stats-interval-s", "0")
+        proc = Proc("serve", "--log-stats-interval-s", "0", *flags)
     finally:
         os.chdir(here)
     try:
@@ -58,15 +63,20 @@ def main() -> None:
     ap.add_argument("b", help="checkout B")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument(
+        "--a-flags", default="", help="server flags for A, e.g. '--step-latency-target-ms 0'"
+    )
+    ap.add_argument("--b-flags", default="", help="server flags for B")
     add_dataset_path_arg(ap)
     args = ap.parse_args()
     sharegpt = ["--dataset-name", "sharegpt",
                 "--dataset-path", checked_dataset_path(ap, args.dataset_path)]  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
     for r in range(args.rounds):
-        order = [("A", args.a), ("B", args.b)]
-        for name, checkout in order if r % 2 == 0 else order[::-1]:
-            runs[name].append(measure(os.path.abspath(checkout), sharegpt, args.num_prompts))
+        order = [("A", args.a, args.a_flags), ("B", args.b, args.b_flags)]
+        for name, checkout, flags in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(measure(os.path.abspath(checkout), shlex.split(flags), sharegpt,
+                                      args.num_prompts))  # fmt: skip
             print(name, r, {k: round(v, 1) for k, v in runs[name][-1].items()}, flush=True)
     print("\n| metric | A | B | B / A |\n|---|---|---|---|")
     for metric in METRICS:

@@ -20,11 +20,22 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field, model_validator
 
+from pagedinfer.entrypoints.anthropic.protocol import (
+    AnyChoice,
+    AutoChoice,
+    Message,
+    NamedChoice,
+    TextBlock,
+    ToolChoice,
+    ToolDefinition,
+    ToolResultBlock,
+    ToolUseBlock,
+)
 from pagedinfer.entrypoints.openai.chat_bridge import ChatFailure, ToolCallAssembler, run_chat
 from pagedinfer.entrypoints.openai.protocol import StrictRequest
 
@@ -36,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["AnthropicServingMessages", "MessagesRequest", "anthropic_error"]
 
 _IGNORED = frozenset({"metadata", "service_tier"})
+_PARALLEL = (AutoChoice, AnyChoice, NamedChoice)
 
 
 class MessagesRequest(StrictRequest):
@@ -43,29 +55,11 @@ class MessagesRequest(StrictRequest):
 
     model: str
     max_tokens: int = Field(ge=1)
-    messages: list[dict[str, Any]] = Field(
-        min_length=1,
-        json_schema_extra=lambda schema: schema.update(
-            items={
-                "type": "object",
-                "required": ["role", "content"],
-                "properties": {
-                    "role": {"enum": ["user", "assistant"]},
-                    "content": {
-                        "anyOf": [
-                            {"type": "string"},
-                            {"type": "array", "items": {"type": "object"}},
-                        ]
-                    },
-                },
-            }
-        ),
-    )
-    """Checked block by block by the handler; the document states the outline."""
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
@@ -89,58 +83,33 @@ def anthropic_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    """A content list's blocks; ValueError unless it is a list of objects."""
-    if content is None:
-        return []
-    if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string or a list of blocks")
-    for j, block in enumerate(content):
-        if not isinstance(block, dict):
-            raise ValueError(f"{where}[{j}]: a content block must be an object")
-    return content
-
-
-def _blocks_text(content: Any, where: str) -> str:
+def _text(content: str | list[TextBlock]) -> str:
     if isinstance(content, str):
         return content
-    texts = []
-    for block in _blocks(content, where):
-        if block.get("type") != "text":
-            raise ValueError(f"{where}: block type {block.get('type')!r} is not supported here")
-        texts.append(block.get("text", ""))
-    return "\n".join(texts)
+    return "\n".join(block.text for block in content)
 
 
 def _messages(request: MessagesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if request.system:
-        messages.append({"role": "system", "content": _blocks_text(request.system, "system")})
-    for i, message in enumerate(request.messages):
-        role, content, where = message.get("role"), message.get("content"), f"messages[{i}]"
-        if role not in ("user", "assistant"):
-            raise ValueError(f"{where}: role must be 'user' or 'assistant', got {role!r}")
+        messages.append({"role": "system", "content": _text(request.system)})
+    for message in request.messages:
+        role, content = message.role, message.content
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        for j, block in enumerate(_blocks(content, f"{where}.content")):
-            kind = block.get("type")
-            if kind == "text":
-                texts.append(block.get("text", ""))
-            elif kind == "tool_use" and role == "assistant":
-                arguments = json.dumps(block.get("input", {}))
-                function = {"name": block.get("name"), "arguments": arguments}
-                calls.append({"id": block.get("id"), "type": "function", "function": function})
-            elif kind == "tool_result" and role == "user":
-                result = _blocks_text(block.get("content", ""), f"{where}.content[{j}]")
-                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                 "content": result})  # fmt: skip
-            elif kind == "thinking" and role == "assistant":
-                continue  # earlier reasoning: chat templates drop it too
-            else:
-                raise ValueError(f"{where}.content[{j}]: block type {kind!r} is not supported")
+        for block in content:
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                function = {"name": block.name, "arguments": json.dumps(block.input)}
+                calls.append({"id": block.id, "type": "function", "function": function})
+            elif isinstance(block, ToolResultBlock):
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                 "content": _text(block.content)})  # fmt: skip
+            # ThinkingBlock: earlier reasoning, which chat templates drop too
         if texts or calls:
             entry: dict[str, Any] = {"role": role, "content": "\n".join(texts) or None}
             if calls:
@@ -150,7 +119,8 @@ def _messages(request: MessagesRequest) -> list[dict[str, Any]]:
 
 
 def chat_body(request: MessagesRequest) -> dict[str, Any]:
-    """The chat completion request `request` asks for; ValueError (a 400) otherwise."""
+    """The chat completion request `request` asks for (the chat handler's own checks, a
+    named tool among the tools and the like, then apply)."""
     body: dict[str, Any] = {"messages": _messages(request), "max_tokens": request.max_tokens,
                             "stream": request.stream}  # fmt: skip
     if request.stream:
@@ -162,27 +132,19 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
             body[name] = getattr(request, name)
     if request.tools:
         tools = []
-        for i, tool in enumerate(request.tools):
-            if tool.get("type", "custom") != "custom" or "name" not in tool:
-                raise ValueError(f"tools[{i}]: only custom tools (name, input_schema) are "
-                                 f"supported, got type {tool.get('type')!r}")  # fmt: skip
-            function = {"name": tool["name"], "parameters": tool.get("input_schema")}
-            if tool.get("description"):
-                function["description"] = tool["description"]
+        for tool in request.tools:
+            function = {"name": tool.name, "parameters": tool.input_schema}
+            if tool.description:
+                function["description"] = tool.description
             tools.append({"type": "function", "function": function})
         body["tools"] = tools
     choice = request.tool_choice
-    if choice is not None:
-        kind = choice.get("type")
-        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind or "")
-        if kind == "tool":
-            body["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-        elif mapped is not None:
-            body["tool_choice"] = mapped
-        else:
-            raise ValueError(f"tool_choice: type {kind!r} is not auto, any, tool or none")
-        if choice.get("disable_parallel_tool_use"):
-            body["parallel_tool_calls"] = False
+    if isinstance(choice, NamedChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if isinstance(choice, _PARALLEL) and choice.disable_parallel_tool_use:
+        body["parallel_tool_calls"] = False
     return body
 
 

@@ -213,6 +213,9 @@ async def _invalid(request: Request, exc: Exception) -> Response:
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    given = first.get("input")
+    if first.get("type") == "literal_error" and isinstance(given, str) and len(given) <= 64:
+        message += f", got {given!r}"  # a wrong tag ("type": "web_search") named
     if request.url.path == "/v1/messages":
         return anthropic_error(400, f"{param or 'body'}: {message}")
     return error_response(400, f"{param or 'body'}: {message}", param)

@@ -154,18 +154,6 @@ def _close_request_schemas(schemas: dict[str, Any]) -> None:
             "properties": {"echo": {"const": True}, "stream": {"const": False}},
             "required": ["echo"],
         }
-    responses = schemas.get("ResponsesRequest")
-    if responses is not None:
-        responses["properties"]["tool_choice"] = {
-            "anyOf": [
-                {"enum": ["none", "auto", "required", None]},
-                {
-                    "type": "object",
-                    "required": ["type", "name"],
-                    "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
-                },
-            ]
-        }
 
 
 def honest_openapi(

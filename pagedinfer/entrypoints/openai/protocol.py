@@ -24,7 +24,16 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from typing_extensions import NotRequired, Self, TypedDict
 
 __all__ = [
@@ -225,10 +234,39 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "required": ["json_schema"],
+                "properties": {
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {"schema": {"type": "object"}},
+                    }
+                },
+            },
+        },
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> Self:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.json_schema is None
+        ):
+            raise ValueError("type 'json_schema' needs json_schema.schema")
+        return self
+
+
+Regex = Annotated[str, Field(min_length=1, json_schema_extra={"format": "regex"})]
+"""A guided-decoding regular expression (the document's `format` lets generators make
+valid ones)."""
 
 
 class StructuredOutputsFields(BaseModel):
@@ -238,12 +276,15 @@ class StructuredOutputsFields(BaseModel):
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
+    regex: Regex | None = None
     choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
-    grammar: str | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+
+
+StopString = Annotated[str, Field(min_length=1)]
 
 
 class SamplingFields(StrictRequest):
@@ -262,7 +303,7 @@ class SamplingFields(StrictRequest):
     top_k: int = Field(default=0, ge=-1, le=INT64_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -289,11 +330,11 @@ class SamplingFields(StrictRequest):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
     guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
+    guided_regex: Regex | None = None
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, min_length=1
     )
-    guided_grammar: str | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
     # Disaggregated prefill (vLLM's field): to a prefill instance {"do_remote_decode":
     # true}; to a decode instance, what the prefill instance's response carried.
     kv_transfer_params: dict[str, Any] | None = None
@@ -394,6 +435,19 @@ class MessageToolCall(BaseModel):
     function: MessageFunctionCall
 
 
+ChatTextPart = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        }
+    ),
+]
+"""A content part: text only (`serving_engine.chat_text` refuses the others, naming them)."""
+
+
 class ChatMessage(BaseModel):
     """One message of a chat history; `name`, `tool_call_id` and `tool_calls` reach the chat
     template as given (templates may render them; `serving_engine.template_message`)."""
@@ -401,7 +455,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ChatTextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None
@@ -463,19 +517,135 @@ class EmbeddingRequest(StrictRequest):
         return self
 
 
+class ResponsesTextPart(BaseModel):
+    """A text part of an input message (an earlier output's `output_text` parts come
+    back with their `annotations`: other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponsesMessageItem(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponsesTextPart]
+
+
+class ResponsesFunctionCallItem(BaseModel):
+    """A call an earlier response made (its `id` and `status` are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = "{}"
+    """JSON text of the arguments object, as the response carried it."""
+
+
+class ResponsesFunctionOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponsesTextPart] = ""
+
+
+class ResponsesReasoningItem(BaseModel):
+    """An earlier response's reasoning: dropped, as chat templates drop it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["reasoning"]
+
+
+def _item_type(item: Any) -> str:
+    if isinstance(item, dict):
+        return str(item.get("type", "message"))
+    return str(getattr(item, "type", "message"))
+
+
+ResponsesInputItem = Annotated[
+    Annotated[ResponsesMessageItem, Tag("message")]
+    | Annotated[ResponsesFunctionCallItem, Tag("function_call")]
+    | Annotated[ResponsesFunctionOutputItem, Tag("function_call_output")]
+    | Annotated[ResponsesReasoningItem, Tag("reasoning")],
+    Discriminator(_item_type),
+]
+"""An input item, chosen by its `type` ("message" when absent, as OpenAI's API reads it)."""
+
+
+_SOME_MESSAGE = {
+    "contains": {
+        "anyOf": [
+            {"type": "object", "not": {"required": ["type"]}},
+            {"type": "object", "properties": {"type": {"not": {"const": "reasoning"}}}},
+        ]
+    }
+}
+"""Some input item other than reasoning: a conversation to answer (the chat handler
+refuses one without messages)."""
+
+
+class ResponsesTool(BaseModel):
+    """A function tool (OpenAI's built-in tools, `web_search` and the like, are not served)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class ResponsesPlainFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object"]
+
+
+class ResponsesSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    type: Literal["json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponsesText(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    format: (
+        Annotated[ResponsesPlainFormat | ResponsesSchemaFormat, Field(discriminator="type")] | None
+    ) = None
+
+
 class ResponsesRequest(StrictRequest):
     """`/v1/responses` (stateless; `serving_responses.py` maps it onto a chat request)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[ResponsesInputItem], Field(json_schema_extra=_SOME_MESSAGE)]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedChoice | None = None
     parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
-    """`{"format": {"type": "text" | "json_schema" | "json_object", ...}}`."""
+    text: ResponsesText | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -562,7 +732,8 @@ class CompletionLogprobs(TypedDict):
 
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
+    """None for the first token of an echoed prompt (it has no logprob, as in OpenAI's API)."""
     text_offset: list[int]
 
 

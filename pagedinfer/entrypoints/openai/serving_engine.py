@@ -135,7 +135,7 @@ def request_structured_outputs(request: SamplingFields) -> StructuredOutputsPara
     if request.structured_outputs is not None:
         fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         return StructuredOutputsParams(**fields)
-    if request.response_format is not None:
+    if named[0] == "response_format" and request.response_format is not None:
         if request.response_format.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         fmt = request.response_format.json_schema
@@ -293,7 +293,7 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     """A request message as the chat template sees it: role, text content, and `name` /
     `tool_call_id` / `tool_calls` when given. A call's arguments reach the template as an
     object, not JSON text (templates write them with `tojson`, as vLLM passes them);
-    ValueError if they are not a JSON object."""
+    ValueError if they are not a JSON object (or empty)."""
     out: dict[str, Any] = {"role": message.role, "content": chat_text(message.content)}
     for key in ("name", "tool_call_id"):
         value = getattr(message, key)
@@ -302,8 +302,8 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_calls:
         calls = []
         for call in message.tool_calls:
-            try:
-                args = json.loads(call.function.arguments)
+            try:  # empty text: a call without arguments (as vLLM reads it)
+                args = json.loads(call.function.arguments or "{}")
             except json.JSONDecodeError:
                 args = None
             if not isinstance(args, dict):

@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedinfer.entrypoints.openai.chat_bridge import ChatFailure, ToolCallAssembler, run_chat
-from pagedinfer.entrypoints.openai.protocol import ResponsesRequest
+from pagedinfer.entrypoints.openai.protocol import (
+    ResponsesFunctionCallItem,
+    ResponsesFunctionOutputItem,
+    ResponsesMessageItem,
+    ResponsesNamedChoice,
+    ResponsesRequest,
+    ResponsesSchemaFormat,
+    ResponsesTextPart,
+)
 from pagedinfer.entrypoints.openai.serving_engine import error_response
 
 if TYPE_CHECKING:
@@ -38,19 +46,11 @@ if TYPE_CHECKING:
 __all__ = ["OpenAIServingResponses", "chat_body"]
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: str | list[ResponsesTextPart]) -> str:
     """A message's text: a string, or its text parts joined."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string or a list of parts")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise ValueError(f"{where}: content part type {kind!r} is not supported (text only)")
-        texts.append(str(part.get("text", "")))
-    return "\n".join(texts)
+    return "\n".join(part.text for part in content)
 
 
 def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
@@ -59,32 +59,21 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         messages.append({"role": "system", "content": request.instructions})
     if isinstance(request.input, str):
         return [*messages, {"role": "user", "content": request.input}]
-    for i, item in enumerate(request.input):
-        where = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise ValueError(f"{where}: role {role!r} is not one of user, assistant, system")
-            messages.append({"role": role, "content": _text(item.get("content"), where)})
-        elif kind == "function_call":
-            function = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": function}  # fmt: skip
+    for item in request.input:
+        if isinstance(item, ResponsesMessageItem):
+            messages.append({"role": item.role, "content": _text(item.content)})
+        elif isinstance(item, ResponsesFunctionCallItem):
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            content = output if isinstance(output, str) else _text(output, where)
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": content})  # fmt: skip
-        elif kind == "reasoning":
-            continue
-        else:
-            raise ValueError(f"{where}: item type {kind!r} is not supported")
+        elif isinstance(item, ResponsesFunctionOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output)})  # fmt: skip
+        # ResponsesReasoningItem: earlier reasoning, dropped
     return messages
 
 
@@ -105,33 +94,23 @@ def chat_body(request: ResponsesRequest) -> dict[str, Any]:
         if value is not None:
             body[name] = value
     if request.tools:
-        tools = []
-        for i, tool in enumerate(request.tools):
-            if tool.get("type") != "function":
-                raise ValueError(f"tools[{i}]: type {tool.get('type')!r} is not supported "
-                                 "(function tools only)")  # fmt: skip
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                        if tool.get(k) is not None}  # fmt: skip
-            tools.append({"type": "function", "function": function})
-        body["tools"] = tools
+        body["tools"] = [
+            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+            for tool in request.tools
+        ]
         body["parallel_tool_calls"] = request.parallel_tool_calls
     choice = request.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not choice.get("name"):
-            raise ValueError("tool_choice: give 'auto', 'none', 'required' or "
-                             '{"type": "function", "name": ...}')  # fmt: skip
-        choice = {"type": "function", "function": {"name": choice["name"]}}
-    if choice is not None:
+    if isinstance(choice, ResponsesNamedChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
         body["tool_choice"] = choice
-    fmt = (request.text or {}).get("format")
-    if fmt is not None and fmt.get("type") != "text":
-        if fmt.get("type") == "json_schema":
-            schema = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
-            body["response_format"] = {"type": "json_schema", "json_schema": schema}
-        elif fmt.get("type") == "json_object":
-            body["response_format"] = {"type": "json_object"}
-        else:
-            raise ValueError(f"text.format: type {fmt.get('type')!r} is not supported")
+    fmt = request.text.format if request.text is not None else None
+    if isinstance(fmt, ResponsesSchemaFormat):
+        schema = fmt.model_dump(include={"name", "json_schema", "strict"}, by_alias=True,
+                                exclude_none=True)  # fmt: skip
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
     return body
 
 
@@ -169,14 +148,18 @@ class _Response:
 
     def body(self) -> dict[str, Any]:
         r = self.request
+        echoed = r.model_dump(include={"tool_choice", "tools", "text"}, by_alias=True,
+                              exclude_none=True)  # fmt: skip
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": self.status, "model": self.model, "output": self.output,
             "error": None, "incomplete_details": self.incomplete,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "parallel_tool_calls": r.parallel_tool_calls, "temperature": r.temperature,
-            "top_p": r.top_p, "tool_choice": r.tool_choice or "auto", "tools": r.tools or [],
-            "text": r.text or {"format": {"type": "text"}}, "metadata": r.metadata or {},
+            "top_p": r.top_p, "tool_choice": echoed.get("tool_choice", "auto"),
+            "tools": echoed.get("tools", []),
+            "text": echoed.get("text") or {"format": {"type": "text"}},
+            "metadata": r.metadata or {},
             "store": False, "usage": self.usage,
         }  # fmt: skip
 

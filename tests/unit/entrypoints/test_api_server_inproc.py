@@ -410,3 +410,16 @@ def test_a_client_leaving_mid_body_is_no_server_error(engine: FakeEngine) -> Non
     asyncio.run(app(scope, receive, send))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
     assert b"closed the connection" in sent[1]["body"]
+
+
+def test_text_response_format_beside_a_guided_field(client: TestClient, engine: FakeEngine) -> None:
+    """`response_format` "text" constrains nothing: a guided field beside it is the one
+    constraint (schemathesis found this refused as "json_schema needs a 'schema'")."""
+    schema = {"type": "object"}
+    body = {**CHAT, "guided_json": schema, "response_format": {"type": "text"}}
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert list(engine.params.values())[-1].structured_outputs.json == schema
+    resp = client.post("/v1/completions", json={**COMPLETION, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}})  # fmt: skip
+    assert_error(resp, 400, "BadRequestError", "needs json_schema.schema", "response_format")
