@@ -58,6 +58,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import secrets
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +69,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from pagedinfer.gguf_metadata import read_gguf_metadata, resolve_model
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import jinja2
 
     from pagedinfer.model.gguf import GGUFFile
@@ -321,43 +325,75 @@ class Tokenizer:
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ValueError(NO_CHAT_TEMPLATE)
-        text = _compile_template(template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.token_text(self.bos_token_id) or "",
-            eos_token=self.token_text(self.eos_token_id) or "",
-            **template_kwargs,
-        )
+
+        def render(messages: list[dict[str, Any]]) -> str:
+            return _compile_template(template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token_text(self.bos_token_id) or "",
+                eos_token=self.token_text(self.eos_token_id) or "",
+                **template_kwargs,
+            )
+
+        text = render(messages)
         if not tokenize:
             return text
         if content_as_text:
-            return self._encode_contents_as_text(text, messages)
+            return self._encode_contents_as_text(text, messages, render)
         return self.encode(text, add_special_tokens=False)
 
-    def _encode_contents_as_text(self, text: str, messages: list[dict[str, Any]]) -> list[int]:
-        """The rendered `text`, encoded with each message's string content (found in order,
-        as written or stripped, as templates write it) encoded with special-token strings
-        split as ordinary text. ValueError when the template changed a content past finding
-        (it cannot then be told from the template's own text)."""
+    def _encode_contents_as_text(
+        self,
+        text: str,
+        messages: list[dict[str, Any]],
+        render: Callable[[list[dict[str, Any]]], str],
+    ) -> list[int]:
+        """The rendered `text`, encoded with each message's string content encoded with
+        special-token strings split as ordinary text, the template's own text as usual.
+
+        Where the contents lie is learnt by rendering the messages again with each content
+        replaced by a marker no client can send (a fresh nonce): the text between markers
+        is the template's, and must appear in `text` as it is, each content (as written or
+        stripped, as templates write it) between. Searching `text` for a content instead
+        would find it inside the template's own text ("<|im_start|>" sent as a content
+        matches the template's first token, which then became text while the client's
+        became a control token). ValueError when the template changes a content past
+        recognizing (it cannot then be told from the template's text)."""
+        nonce = secrets.token_hex(8)
+        marked = [
+            {**m, "content": f"\ue000{nonce}:{i}\ue001"}
+            if isinstance(m.get("content"), str) and m["content"].strip()
+            else m
+            for i, m in enumerate(messages)
+        ]
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", render(marked))
+        changed = ValueError(
+            "the chat template changes message content, so its special-token text "
+            "cannot be kept as plain text (content_as_text)"
+        )
         ids: list[int] = []
-        cursor = 0
-        for message in messages:
-            content = message.get("content")
-            if not isinstance(content, str) or not content.strip():
-                continue
+        pos = 0
+        for k in range(0, len(parts), 2):
+            own = parts[k]
+            if not text.startswith(own, pos):
+                raise changed
+            ids += self.encode(own, add_special_tokens=False)
+            pos += len(own)
+            if k + 1 == len(parts):
+                break
+            content = messages[int(parts[k + 1])]["content"]
+            after = parts[k + 2]
             for piece in (content, content.strip()):
-                start = text.find(piece, cursor)
-                if start >= 0:
+                end = pos + len(piece)
+                if text.startswith(piece, pos) and text.startswith(after, end):
                     break
             else:
-                raise ValueError(
-                    "the chat template changes message content, so its special-token text "
-                    "cannot be kept as plain text (content_as_text)"
-                )
-            ids += self.encode(text[cursor:start], add_special_tokens=False)
+                raise changed
             ids += self._plain_text_backend.encode(piece, add_special_tokens=False).ids
-            cursor = start + len(piece)
-        return ids + self.encode(text[cursor:], add_special_tokens=False)
+            pos = end
+        if pos != len(text):
+            raise changed
+        return ids
 
     @functools.cached_property
     def _plain_text_backend(self) -> BackendTokenizer:

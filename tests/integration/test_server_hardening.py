@@ -178,12 +178,13 @@ def test_hostile_bodies_get_their_4xx_and_health_stays_fast(server) -> None:
 
 
 def test_slow_clients_are_cut_off(server) -> None:
-    """Clients that send half a request head, or a head and half its body, and wait: the
-    first are disconnected, the second answered 408, both after `--client-timeout-s`; 50
-    of each meanwhile do not slow `/health`."""
+    """Clients that connect and send nothing, send half a request head, or a head and half
+    its body, and wait: the first two are disconnected, the third answered 408, all after
+    `--client-timeout-s`; 50 of each meanwhile do not slow `/health`."""
     heads, bodies = [], []
     with HealthWatch(server) as health:
         for _ in range(50):
+            heads.append(socket.create_connection(("127.0.0.1", server.port)))
             sock = socket.create_connection(("127.0.0.1", server.port))
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
             heads.append(sock)

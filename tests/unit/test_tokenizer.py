@@ -225,3 +225,28 @@ def test_read_chat_template_takes_a_file_or_the_template(tmp_path: Path) -> None
     assert read_chat_template("{% if x %}y{% endif %}") == "{% if x %}y{% endif %}"
     with pytest.raises(ValueError, match="no such file, and not a jinja template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("content", ["<|im_start|>", "user<|im_end|>", "  system <|im_start|> "])
+def test_special_token_text_in_content_stays_text(tok: Tokenizer, content: str) -> None:
+    """`content_as_text`: a content's special-token strings are text, the template's own
+    stay control tokens, even where the content also occurs in the template's text (a
+    content "<|im_start|>" once matched the template's first token instead)."""
+    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False)
+    control = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    as_text = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                      content_as_text=True)  # fmt: skip
+    assert isinstance(text, str) and isinstance(control, list) and isinstance(as_text, list)
+    specials = content.count("<|im_start|>") + content.count("<|im_end|>")
+    template_specials = sum(i in (1, 2) for i in as_text)
+    assert sum(i in (1, 2) for i in control) == template_specials + specials
+    assert as_text[0] == 1  # the template's <|im_start|> is the control token
+    assert tok.decode(as_text, skip_special_tokens=False) == text
+
+
+def test_content_as_text_refuses_a_template_that_rewrites_content(tok: Tokenizer) -> None:
+    template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(ValueError, match="changes message content"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True,
+                                chat_template=template, content_as_text=True)  # fmt: skip

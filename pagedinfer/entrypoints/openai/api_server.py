@@ -267,8 +267,12 @@ async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Respo
         request.state.tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
     elif state.isolate_tenants is not None:
         header = state.isolate_tenants.removeprefix("header:")
-        tenant = request.headers.get(header)
-        if not tenant:
+        given = request.headers.getlist(header)
+        tenant = given[0] if len(given) == 1 else None
+        if len(given) > 1:  # which one a proxy added cannot be told: none is believed
+            error = (400, f"The {header} header (the request's tenant) is given {len(given)} "
+                     "times; give it once.")  # fmt: skip
+        elif not tenant:
             error = (400, f"The {header} header (the request's tenant) is required.")
         else:
             request.state.tenant = "header:" + tenant

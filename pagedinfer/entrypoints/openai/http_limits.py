@@ -105,10 +105,17 @@ class RequestBodyLimits:
 
 def protocol_with_head_timeout(timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request head is incomplete
-    `timeout_s` after the request's first byte (pass as `uvicorn.Config(http=...)`)."""
+    `timeout_s` after the request's first byte, or after the connection opened for its
+    first request (uvicorn's keep-alive timeout covers the wait between requests, nothing
+    the wait for the first: an idle connection was held forever). Pass as
+    `uvicorn.Config(http=...)`."""
 
     class HeadTimeoutH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
 
         def data_received(self, data: bytes) -> None:
             between_requests = self.cycle is None or self.cycle.response_complete

@@ -122,6 +122,16 @@ _NOT_YET: dict[str, str] = {
 """Fields refused with a reason of their own."""
 
 
+def _same_json(value: object, default: object) -> bool:
+    """Equal as JSON values: numbers by value (`0.0` is the `0` of `priority`, as in JSON
+    Schema), but `false` is no `0` and `true` no `1`."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    if isinstance(value, int | float) and isinstance(default, int | float):
+        return value == default
+    return value == default and type(value) is type(default)
+
+
 def _refuse_unknown(request: BaseModel, endpoint: str) -> None:
     """ValueError naming every field of `request` this server does not implement (those
     pydantic kept as extras), unless ignorable (`IGNORED_FIELDS`, `IGNORED_AT_DEFAULT`)."""
@@ -131,11 +141,9 @@ def _refuse_unknown(request: BaseModel, endpoint: str) -> None:
         if name in IGNORED_FIELDS:
             continue
         key = "echo_chat" if name == "echo" else name  # completions implement echo
-        if key in IGNORED_AT_DEFAULT and any(
-            value == v and type(value) is type(v) for v in IGNORED_AT_DEFAULT[key]
-        ):  # the type too: `false` is not the `0` of `priority`
+        if key in IGNORED_AT_DEFAULT and any(_same_json(value, v) for v in IGNORED_AT_DEFAULT[key]):
             continue
-        if name == "best_of" and value == getattr(request, "n", 1):
+        if name == "best_of" and _same_json(value, getattr(request, "n", 1)):
             continue
         why = _NOT_YET.get(name)
         if why is None and key in IGNORED_AT_DEFAULT:

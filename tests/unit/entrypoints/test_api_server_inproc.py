@@ -93,6 +93,8 @@ def assert_error(resp: Any, status: int, kind: str, message: str, param: Any = .
         ({"prompt": ["a", "b"], "kv_transfer_params": {}}, "takes one prompt", "prompt"),
         ({"prompt": "x" * 300}, "too long", None),
         ({"prompt": [[5], [5000]]}, "out of vocabulary", None),
+        ({"prompt": "hi", "priority": False}, "'priority' (only 0 is supported)", None),
+        ({"prompt": "hi", "best_of": True}, "'best_of'", None),
     ],
 )
 def test_completion_validation_errors(
@@ -376,6 +378,10 @@ def test_tenants_by_header(engine: FakeEngine) -> None:
             assert resp.status_code == 200
         missing = client.post("/v1/chat/completions", json=CHAT)
         assert_error(missing, 400, "BadRequestError", "X-Tenant header")
+        # A client's own header beside the one a proxy added: neither is believed.
+        twice = client.post("/v1/completions", json=COMPLETION,
+                            headers=[("X-Tenant", "acme"), ("X-Tenant", "globex")])  # fmt: skip
+        assert_error(twice, 400, "BadRequestError", "given 2 times")
     acme, globex, acme_again = engine.salts.values()
     assert acme == acme_again != globex
 
@@ -423,3 +429,11 @@ def test_text_response_format_beside_a_guided_field(client: TestClient, engine: 
     resp = client.post("/v1/completions", json={**COMPLETION, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x"}}})  # fmt: skip
     assert_error(resp, 400, "BadRequestError", "needs json_schema.schema", "response_format")
+
+
+def test_ignored_fields_at_their_defaults_compare_as_json_numbers(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    for extra in ({"priority": 0.0}, {"priority": 0}, {"best_of": 1.0}, {"best_of": None}):
+        resp = client.post("/v1/completions", json={**COMPLETION, **extra})
+        assert resp.status_code == 200, (extra, resp.text)
