@@ -17,6 +17,7 @@ import os
 import re
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import schemathesis
@@ -136,17 +137,16 @@ def _within_context(path: str, body: dict[str, Any], headers: dict[str, str]) ->
     cut to the room the prompt leaves; False if the prompt leaves none. A request the
     server refuses at one output token for another reason is left as it is (its refusal
     is then what the check sees)."""
+    if path == "/v1/completions" and body.get("max_tokens") == 0:
+        return True  # scoring an echoed prompt: no output at all
     field, counted = _LENGTH[path]
-    if path == "/v1/chat/completions" and body.get("max_tokens") is not None:
-        field = "max_tokens" if body.get("max_completion_tokens") is None else field
+    if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
+        field = "max_tokens"  # chat: the older name, when the newer is not given
     asked = body.get(field)
-    probe = {**body, field: 1, "stream": False, "min_tokens": 0}
-    if path not in ("/v1/completions", "/v1/chat/completions"):
-        probe.pop("min_tokens")
+    probe = {**body, field: 1, "stream": False}
     if path in ("/v1/completions", "/v1/chat/completions"):
+        probe["min_tokens"] = 0
         probe.pop("stream_options", None)
-        if path == "/v1/completions" and body.get("max_tokens") == 0:
-            return True  # scoring an echoed prompt: no output at all
     request = urllib.request.Request(
         BASE + path, json.dumps(probe).encode(), {**headers, "Content-Type": "application/json"}
     )
@@ -171,7 +171,7 @@ def _within_context(path: str, body: dict[str, Any], headers: dict[str, str]) ->
     return True
 
 
-def _integers(value: Any) -> Any:
+def _integers(value: Any) -> Iterator[int]:
     if isinstance(value, bool):
         return
     if isinstance(value, int):

@@ -18,6 +18,7 @@ __all__ = [
     "AnyChoice",
     "AssistantMessage",
     "AutoChoice",
+    "CallingChoice",
     "ContentBlock",
     "Message",
     "NamedChoice",
@@ -99,21 +100,23 @@ class ToolDefinition(_Part):
     input_schema: dict[str, Any]
 
 
-class _Choice(BaseModel):
+class CallingChoice(BaseModel):
+    """A choice that lets the model call tools (it may forbid parallel calls)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     disable_parallel_tool_use: bool = False
 
 
-class AutoChoice(_Choice):
+class AutoChoice(CallingChoice):
     type: Literal["auto"]
 
 
-class AnyChoice(_Choice):
+class AnyChoice(CallingChoice):
     type: Literal["any"]
 
 
-class NamedChoice(_Choice):
+class NamedChoice(CallingChoice):
     type: Literal["tool"]
     name: str = Field(min_length=1)
 

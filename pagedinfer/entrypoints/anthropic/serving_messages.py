@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field, model_validator
 
 from pagedinfer.entrypoints.anthropic.protocol import (
-    AnyChoice,
-    AutoChoice,
+    CallingChoice,
     Message,
     NamedChoice,
     TextBlock,
@@ -37,7 +36,7 @@ from pagedinfer.entrypoints.anthropic.protocol import (
     ToolUseBlock,
 )
 from pagedinfer.entrypoints.openai.chat_bridge import ChatFailure, ToolCallAssembler, run_chat
-from pagedinfer.entrypoints.openai.protocol import StrictRequest
+from pagedinfer.entrypoints.openai.protocol import StrictRequest, Text
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["AnthropicServingMessages", "MessagesRequest", "anthropic_error"]
 
 _IGNORED = frozenset({"metadata", "service_tier"})
-_PARALLEL = (AutoChoice, AnyChoice, NamedChoice)
 
 
 class MessagesRequest(StrictRequest):
@@ -59,7 +57,7 @@ class MessagesRequest(StrictRequest):
     system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
-    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    stop_sequences: list[Text] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
@@ -143,7 +141,7 @@ def chat_body(request: MessagesRequest) -> dict[str, Any]:
         body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     elif choice is not None:
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-    if isinstance(choice, _PARALLEL) and choice.disable_parallel_tool_use:
+    if isinstance(choice, CallingChoice) and choice.disable_parallel_tool_use:
         body["parallel_tool_calls"] = False
     return body
 

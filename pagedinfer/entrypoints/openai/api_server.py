@@ -268,14 +268,13 @@ async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Respo
     elif state.isolate_tenants is not None:
         header = state.isolate_tenants.removeprefix("header:")
         given = request.headers.getlist(header)
-        tenant = given[0] if len(given) == 1 else None
         if len(given) > 1:  # which one a proxy added cannot be told: none is believed
             error = (400, f"The {header} header (the request's tenant) is given {len(given)} "
                      "times; give it once.")  # fmt: skip
-        elif not tenant:
+        elif not given or not given[0]:
             error = (400, f"The {header} header (the request's tenant) is required.")
         else:
-            request.state.tenant = "header:" + tenant
+            request.state.tenant = "header:" + given[0]
     if error is not None:
         if request.url.path == "/v1/messages":
             return anthropic_error(*error)

@@ -201,9 +201,10 @@ def _integer_fields(cls: type[BaseModel]) -> frozenset[str]:
     )
 
 
+Text = Annotated[str, Field(min_length=1)]
+"""Non-empty text (a prompt, a stop string, a guided choice or grammar)."""
 # Prompts as the handlers take them: non-empty text or token ids (below the vocabulary
 # size: the engine checks it, the OpenAPI document states it, `openapi.py`).
-Text = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
 """A token id: `openapi.honest_openapi` bounds it by the served model's vocabulary."""
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -285,14 +286,11 @@ class StructuredOutputsFields(BaseModel):
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: Regex | None = None
-    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
-    grammar: Annotated[str, Field(min_length=1)] | None = None
+    choice: list[Text] | None = Field(default=None, min_length=1)
+    grammar: Text | None = None
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-
-
-StopString = Annotated[str, Field(min_length=1)]
 
 
 class SamplingFields(StrictRequest):
@@ -311,7 +309,7 @@ class SamplingFields(StrictRequest):
     top_k: int = Field(default=0, ge=-1, le=INT64_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    stop: StopString | list[StopString] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -339,10 +337,8 @@ class SamplingFields(StrictRequest):
     structured_outputs: StructuredOutputsFields | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: Regex | None = None
-    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
-        default=None, min_length=1
-    )
-    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: list[Text] | None = Field(default=None, min_length=1)
+    guided_grammar: Text | None = None
     # Disaggregated prefill (vLLM's field): to a prefill instance {"do_remote_decode":
     # true}; to a decode instance, what the prefill instance's response carried.
     kv_transfer_params: dict[str, Any] | None = None

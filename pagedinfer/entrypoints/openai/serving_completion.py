@@ -46,11 +46,24 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from pagedinfer.engine.input_processor import PromptType
-    from pagedinfer.outputs import CompletionOutput, RequestOutput
+    from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedinfer.sampling_params import SamplingParams
     from pagedinfer.tokenizer import Tokenizer
 
 __all__ = ["OpenAIServingCompletion", "completion_logprobs", "echo_logprobs"]
+
+
+def _position_logprobs(
+    entry: dict[int, Logprob], token_id: int, tokenizer: Tokenizer
+) -> tuple[float | None, dict[str, float]]:
+    """One position's legacy logprobs: the chosen token's, and text -> logprob of the
+    top ones (finite, `finite_logprob`)."""
+    chosen = finite_logprob(entry[token_id].logprob) if token_id in entry else None
+    top = {
+        (lp.decoded_token or tokenizer.decode([t])): finite_logprob(lp.logprob)
+        for t, lp in entry.items()
+    }
+    return chosen, top
 
 
 def completion_logprobs(
@@ -61,21 +74,15 @@ def completion_logprobs(
         return None
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
-    top: list[dict[str, float]] = []
+    top: list[dict[str, float] | None] = []
     offsets: list[int] = []
     offset = offset0
     for token_id, entry in zip(c.token_ids, c.logprobs):
         text = tokenizer.decode([token_id])
         tokens.append(text)
-        token_logprobs.append(
-            finite_logprob(entry[token_id].logprob) if token_id in entry else None
-        )
-        top.append(
-            {
-                (lp.decoded_token or tokenizer.decode([t])): finite_logprob(lp.logprob)
-                for t, lp in entry.items()
-            }
-        )
+        chosen, alternatives = _position_logprobs(entry, token_id, tokenizer)
+        token_logprobs.append(chosen)
+        top.append(alternatives)
         offsets.append(offset)
         offset += len(text)
     return CompletionLogprobs(
@@ -101,15 +108,9 @@ def echo_logprobs(
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        out["token_logprobs"].append(
-            finite_logprob(entry[token_id].logprob) if token_id in entry else None
-        )
-        out["top_logprobs"].append(
-            {
-                (lp.decoded_token or tokenizer.decode([t])): finite_logprob(lp.logprob)
-                for t, lp in entry.items()
-            }
-        )
+        chosen, alternatives = _position_logprobs(entry, token_id, tokenizer)
+        out["token_logprobs"].append(chosen)
+        out["top_logprobs"].append(alternatives)
     return out, offset
 
 

@@ -139,8 +139,7 @@ def request_structured_outputs(request: SamplingFields) -> StructuredOutputsPara
         if request.response_format.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         fmt = request.response_format.json_schema
-        if fmt is None or fmt.json_schema is None:
-            raise ValueError("response_format: json_schema needs a 'schema'")
+        assert fmt is not None and fmt.json_schema is not None  # `ResponseFormat` checks it
         return StructuredOutputsParams(json=fmt.json_schema)
     return StructuredOutputsParams(
         json=request.guided_json,
@@ -205,6 +204,15 @@ def to_sampling_params(
             else None
         ),
     )
+
+
+LOGPROB_FLOOR = -9999.0
+"""A logprob below this (-inf: a token a bias or a grammar excluded) is sent as this, as
+vLLM's server does: JSON has no infinity, and strict clients refuse `-Infinity`."""
+
+
+def finite_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
 
 
 def prompt_logprobs_body(
@@ -329,15 +337,6 @@ def chat_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 # --------------------------------------------------------------------------------- errors
-
-
-LOGPROB_FLOOR = -9999.0
-"""A logprob below this (-inf: a token a bias or a grammar excluded) is sent as this, as
-vLLM's server does: JSON has no infinity, and strict clients refuse `-Infinity`."""
-
-
-def finite_logprob(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
 
 
 def json_response(body: Mapping[str, Any]) -> JSONResponse:
